@@ -1,0 +1,175 @@
+"""Split forward over diffusers' `Cosmos3OmniTransformer`: embed -> per-layer UND / GEN halves -> head.
+
+The reference forward runs the whole joint sequence through every layer at every step. Two facts let
+us cut it into parts that one gathered layer can serve for many sequences:
+
+* The UND (text, causal) stream never reads GEN tokens, so a branch's per-layer UND keys/values are the
+  same at every denoising step: we run the UND half once per request-branch and cache (K, V).
+* The GEN (vision) stream reads UND only through those keys/values.
+
+Every op below is the op the reference runs, on the same tensors, in the same dtype: outputs are
+bit-identical to `Cosmos3OmniTransformer.forward` in float32 on CPU (tests hold this). Nothing here
+knows about ranks or offload: a layer is whatever module the caller hands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, head_dim], already unsqueezed per head
+
+
+@dataclass
+class BranchSeq:
+    """One prompt branch (cond or uncond) of one request, as the layers see it."""
+
+    und_hidden: torch.Tensor | None  # [und_len, hidden] while the UND half still has to run
+    rot_und: Rotary
+    rot_gen: Rotary
+    mse_rows: torch.Tensor  # rows of the GEN stream whose predictions the head reads
+    und_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer (K for GEN, V)
+    gen_hidden: torch.Tensor | None = None  # [gen_len, hidden] during a pass
+
+    @property
+    def needs_und(self) -> bool:
+        return self.und_hidden is not None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
+    cos, sin = rot
+    return x * cos + _rotate_half(x) * sin
+
+
+def _attention(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    # Same dispatcher and backend the reference processor uses, so the kernel (and its rounding) matches.
+    processor = attn.processor
+    out = dispatch_attention_fn(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        is_causal=causal,
+        enable_gqa=True,
+        backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+    return out.squeeze(0).flatten(-2, -1)
+
+
+class Cosmos3Split:
+    """Embed, per-layer halves and head of one `Cosmos3OmniTransformer` (whose layers may be offloaded)."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+        self.config = transformer.config
+        self.num_layers = self.config.num_hidden_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.embed_tokens.weight.dtype
+
+    # ---- embed -------------------------------------------------------------------------------------
+
+    def embed_text(self, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # The table can stay on the host: a lookup of a few hundred ids, then one small copy.
+        table = self.transformer.embed_tokens
+        return table(input_ids.to(table.weight.device)).to(device)
+
+    def rotary(self, position_ids: torch.Tensor, und_len: int, device: torch.device) -> tuple[Rotary, Rotary]:
+        """cos/sin for the UND prefix and the GEN tokens; fixed per branch, so computed once."""
+        cos, sin = self.transformer.rotary_emb(
+            position_ids=position_ids.unsqueeze(1), device=device, dtype=self.dtype
+        )
+        cos, sin = cos.squeeze(0), sin.squeeze(0)
+        return (
+            (cos[:und_len].unsqueeze(1), sin[:und_len].unsqueeze(1)),
+            (cos[und_len:].unsqueeze(1), sin[und_len:].unsqueeze(1)),
+        )
+
+    def embed_vision(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        token_shapes: list[tuple[int, int, int]],
+        noisy_frame_indexes: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """Patchify + proj_in + timestep embedding: the GEN stream input, shared by a request's branches."""
+        t = self.transformer
+        packed, original_shapes = t._patchify_and_pack_latents([latents])
+        packed = t.proj_in(packed)
+        time_dtype = next(t.time_embedder.parameters()).dtype
+        embeds = t.time_embedder(t.time_proj(timesteps * self.config.timestep_scale).to(time_dtype))
+        packed = t._apply_timestep_embeds_to_noisy_tokens(
+            packed_tokens=packed,
+            packed_timestep_embeds=embeds.to(self.dtype),
+            noisy_frame_indexes=noisy_frame_indexes,
+            token_shapes=token_shapes,
+        )
+        return packed, original_shapes
+
+    # ---- layer halves ------------------------------------------------------------------------------
+
+    def und_layer(self, layer: torch.nn.Module, seq: BranchSeq, is_last: bool) -> None:
+        """UND half of one layer for one branch: caches this layer's (K, V) and advances the UND stream."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(seq.und_hidden)
+        q = attn.to_q(x).view(-1, attn.num_attention_heads, attn.head_dim)
+        k = attn.to_k(x).view(-1, attn.num_key_value_heads, attn.head_dim)
+        v = attn.to_v(x).view(-1, attn.num_key_value_heads, attn.head_dim)
+        k = attn.norm_k(k)
+        k_rot = _apply_rotary(k, seq.rot_und)
+        if attn.k_norm_und_for_gen is None:
+            seq.und_kv.append((k_rot, v))
+        else:
+            seq.und_kv.append((_apply_rotary(attn.k_norm_und_for_gen(k), seq.rot_und), v))
+        if is_last:
+            # The last layer's UND output feeds nothing the vision head reads: only its K/V matter.
+            seq.und_hidden = None
+            return
+        q = _apply_rotary(attn.norm_q(q), seq.rot_und)
+        out = attn.to_out(_attention(attn, q, k_rot, v, causal=True))
+        residual = seq.und_hidden + out
+        seq.und_hidden = residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+    def gen_layer(self, layer: torch.nn.Module, seq: BranchSeq, layer_index: int) -> None:
+        """GEN half of one layer for one branch, attending to the cached UND (K, V) of that layer."""
+        attn = layer.self_attn
+        hidden = seq.gen_hidden
+        x = layer.input_layernorm_moe_gen(hidden)
+        q = attn.add_q_proj(x).view(-1, attn.num_attention_heads, attn.head_dim)
+        k = attn.add_k_proj(x).view(-1, attn.num_key_value_heads, attn.head_dim)
+        v = attn.add_v_proj(x).view(-1, attn.num_key_value_heads, attn.head_dim)
+        q = _apply_rotary(attn.norm_added_q(q), seq.rot_gen)
+        k = _apply_rotary(attn.norm_added_k(k), seq.rot_gen)
+        k_und, v_und = seq.und_kv[layer_index]
+        out = _attention(attn, q, torch.cat([k_und, k], dim=0), torch.cat([v_und, v], dim=0), causal=False)
+        residual = hidden + attn.to_add_out(out)
+        seq.gen_hidden = residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
+
+    # ---- head --------------------------------------------------------------------------------------
+
+    def head(
+        self,
+        seq: BranchSeq,
+        token_shapes: list[tuple[int, int, int]],
+        noisy_frame_indexes: list[torch.Tensor],
+        original_shapes: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        """Final GEN norm, proj_out and unpatchify: the branch's velocity prediction [1, C, T, H, W]."""
+        t = self.transformer
+        hidden = t.norm_moe_gen(seq.gen_hidden)
+        seq.gen_hidden = None
+        preds = t._unpatchify_and_unpack_latents(
+            t.proj_out(hidden[seq.mse_rows]),
+            token_shapes_vision=token_shapes,
+            noisy_frame_indexes_vision=noisy_frame_indexes,
+            original_latent_shapes=original_shapes,
+        )
+        return preds[0]

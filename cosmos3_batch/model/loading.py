@@ -1,0 +1,163 @@
+"""Reads a diffusers-layout Cosmos3 checkpoint into the pieces the runner needs.
+
+We do not go through `Cosmos3OmniPipeline.from_pretrained`: the transformer is built on the meta
+device and filled tensor by tensor from memory-mapped safetensors, so `lm_head` is never read and
+the layers can be left for the offload engine to place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+COMPONENTS = ("transformer", "vae", "scheduler", "text_tokenizer")
+NEVER_LOADED = ("lm_head.",)  # generation never reads the LM head (vocab x hidden: ~1.2 GB in Nano)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder is missing a part or disagrees with its own config."""
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    model_index: dict
+
+    @classmethod
+    def open(cls, root: str | Path) -> Checkpoint:
+        root = Path(root)
+        index = root / "model_index.json"
+        if not index.is_file():
+            raise CheckpointError(f"{root}: not a diffusers checkpoint (no model_index.json)")
+        for name in COMPONENTS:
+            if not (root / name).is_dir():
+                raise CheckpointError(f"{root}: component folder '{name}/' is missing")
+        return cls(root, json.loads(index.read_text()))
+
+    def config(self, component: str) -> dict:
+        name = "scheduler_config.json" if component == "scheduler" else "config.json"
+        return json.loads((self.root / component / name).read_text())
+
+    def tensor_files(self, component: str) -> dict[str, Path]:
+        """Tensor name -> safetensors file, from the index JSON when sharded."""
+        folder = self.root / component
+        indexes = sorted(folder.glob("*.safetensors.index.json"))
+        if indexes:
+            weight_map = json.loads(indexes[0].read_text())["weight_map"]
+            return {name: folder / file for name, file in weight_map.items()}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no safetensors files")
+        names: dict[str, Path] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                names.update(dict.fromkeys(f.keys(), file))
+        return names
+
+
+def load_tensors(
+    files: dict[str, Path], wanted: Callable[[str], bool], device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Read the wanted tensors, opening each file once (memory-mapped by safetensors)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        if wanted(name):
+            by_file.setdefault(file, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the index but missing")
+        try:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{file}: index lists tensor '{name}' but the file lacks it")
+                    out[name] = f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own types for truncated/corrupt files
+            raise CheckpointError(f"{file}: cannot read safetensors ({exc})") from exc
+    return out
+
+
+def build_transformer_on_meta(config: dict):
+    from diffusers import Cosmos3OmniTransformer
+
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer.from_config(config)
+    del model.lm_head
+    return model
+
+
+def fill_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Assign checkpoint tensors to a meta-built module, checking every name and shape."""
+    expected = dict(module.named_parameters())
+    for name, tensor in tensors.items():
+        param = expected.get(name)
+        if param is None:
+            continue  # extra tensors (lm_head, or modules this build does not have) are ignored
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies {tuple(param.shape)}"
+            )
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{where}: tensors missing from the checkpoint: {', '.join(missing[:5])}")
+    module.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False, assign=True)
+
+
+def rebuild_rotary(transformer: torch.nn.Module) -> None:
+    # `inv_freq` is a non-persistent buffer: on a meta build it has no values, so make it again exactly as
+    # the model's own __init__ does (on the CPU, in float32).
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3VLTextRotaryEmbedding
+
+    cfg = transformer.config
+    transformer.rotary_emb = Cosmos3VLTextRotaryEmbedding(
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_axes_dim=cfg.rope_axes_dim
+    )
+
+
+def load_transformer(ckpt: Checkpoint, device: torch.device, with_layers: bool = True):
+    """The transformer with all non-layer weights loaded; layers too unless the engine will place them."""
+    config = ckpt.config("transformer")
+    if config.get("quantization_config"):
+        raise CheckpointError(f"{ckpt.root}/transformer: quantized (FP8) checkpoints are not supported yet")
+    model = build_transformer_on_meta(config)
+    files = ckpt.tensor_files("transformer")
+
+    def wanted(name: str) -> bool:
+        return not name.startswith(NEVER_LOADED) and (with_layers or not name.startswith("layers."))
+
+    tensors = load_tensors(files, wanted)
+    where = str(ckpt.root / "transformer")
+    if with_layers:
+        fill_module(model, tensors, where)
+    else:
+        for name, child in model.named_children():
+            if name != "layers":
+                prefix = f"{name}."
+                sub = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+                fill_module(child, sub, where)
+    rebuild_rotary(model)
+    model.eval().requires_grad_(False)
+    # embed_tokens stays on the host (lookups of a few hundred ids); everything else goes to the device.
+    for name, child in model.named_children():
+        if name not in ("embed_tokens", "layers") or (name == "layers" and with_layers):
+            child.to(device)
+    return model
+
+
+def load_vae(ckpt: Checkpoint, device: torch.device):
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(ckpt.config("vae"))
+    tensors = load_tensors(ckpt.tensor_files("vae"), lambda name: True)
+    fill_module(vae, tensors, str(ckpt.root / "vae"))
+    return vae.eval().requires_grad_(False).to(device)

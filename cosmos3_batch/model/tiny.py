@@ -1,0 +1,228 @@
+"""Builds a small, real, diffusers-layout Cosmos3 checkpoint on this machine: nothing is downloaded.
+
+The folder it writes loads with `Cosmos3OmniPipeline.from_pretrained(DIR)` offline, so the reference
+pipeline and our runner read the very same files. Weights come from torch's default initialisation
+under a fixed seed, so the same flags give the same bytes on the same torch version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>")
+
+# Qwen-style chat template: the reference pipeline renders prompts through `apply_chat_template`.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of the tiny model. Defaults keep CPU tests fast; the flags scale it to 2 GB for benchmarks."""
+
+    seed: int = 0
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    dtype: str = "float32"
+    latent_channels: int = 16
+    vae_dim: int = 8
+    flow_shift: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "latent_channels", "vae_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden ({self.hidden}) must be a multiple of --heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
+        if (self.hidden // self.heads) % 8:
+            raise ValueError(f"head dim hidden/heads = {self.hidden // self.heads} must be a multiple of 8")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _rope_axes(head_dim: int) -> list[int]:
+    # Same proportions as the released model (24/20/20 of 64 rotary frequencies for T/H/W).
+    half = head_dim // 2
+    spatial = (half * 20) // 64
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def transformer_config(spec: TinySpec, vocab_size: int) -> dict:
+    return {
+        "hidden_size": spec.hidden,
+        "head_dim": spec.head_dim,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "latent_channel": spec.latent_channels,
+        "latent_patch_size": 2,
+        "patch_latent_dim": 4 * spec.latent_channels,
+        "vocab_size": vocab_size,
+        "hidden_act": "silu",
+        "rope_axes_dim": _rope_axes(spec.head_dim),
+        "rope_theta": 5000000.0,
+    }
+
+
+def vae_config(spec: TinySpec, generator: torch.Generator) -> dict:
+    # Wan2.2-style residual VAE: 2x2 pixel patching then three 2x downsamplings = 16x spatial, 4x temporal.
+    mean = (torch.rand(spec.latent_channels, generator=generator) - 0.5).tolist()
+    std = (torch.rand(spec.latent_channels, generator=generator) + 0.5).tolist()
+    return {
+        "base_dim": spec.vae_dim,
+        "decoder_base_dim": spec.vae_dim,
+        "z_dim": spec.latent_channels,
+        "dim_mult": [1, 2, 2, 2],
+        "num_res_blocks": 1,
+        "attn_scales": [],
+        "temperal_downsample": [False, True, True],
+        "is_residual": True,
+        "in_channels": 12,
+        "out_channels": 12,
+        "patch_size": 2,
+        "scale_factor_temporal": 4,
+        "scale_factor_spatial": 16,
+        "latents_mean": [round(x, 4) for x in mean],
+        "latents_std": [round(x, 4) for x in std],
+    }
+
+
+def scheduler_config(spec: TinySpec) -> dict:
+    # Flow matching as the released model: the network predicts velocity on shifted flow sigmas.
+    return {
+        "num_train_timesteps": 1000,
+        "solver_order": 2,
+        "prediction_type": "flow_prediction",
+        "use_flow_sigmas": True,
+        "flow_shift": spec.flow_shift,
+        "final_sigmas_type": "zero",
+    }
+
+
+def build_tokenizer():
+    """Byte-level tokenizer with a chat template and the special tokens the pipeline looks up."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> Path:
+    """Write the checkpoint to `out_dir` atomically (a temporary sibling folder, then a rename).
+
+    With overwrite=False an existing `out_dir` is kept and OSError is raised (the rename fails).
+    """
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer = build_tokenizer()
+        tokenizer.save_pretrained(tmp / "text_tokenizer")
+
+        generator = torch.Generator().manual_seed(spec.seed)
+        torch_state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(spec.seed)
+            transformer = Cosmos3OmniTransformer(**transformer_config(spec, vocab_size=len(tokenizer)))
+            vae = AutoencoderKLWan(**vae_config(spec, generator))
+        finally:
+            torch.random.set_rng_state(torch_state)
+        # Random init gives norm weights of exactly 1; perturb them so that a wrong norm is caught by tests.
+        with torch.no_grad():
+            for name, param in transformer.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name or "norm_" in name:
+                    param.add_(0.1 * torch.randn(param.shape, generator=generator))
+        transformer.to(DTYPES[spec.dtype])
+        transformer.time_embedder.to(torch.float32)  # as diffusers keeps it (`_keep_in_fp32_modules`)
+        transformer.save_pretrained(tmp / "transformer", safe_serialization=True, max_shard_size="500MB")
+        vae.save_pretrained(tmp / "vae", safe_serialization=True)
+        UniPCMultistepScheduler(**scheduler_config(spec)).save_pretrained(tmp / "scheduler")
+
+        model_index = {
+            "_class_name": "Cosmos3OmniPipeline",
+            "_diffusers_version": _diffusers_version(),
+            "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+            "vae": ["diffusers", "AutoencoderKLWan"],
+            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+            "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+            "sound_tokenizer": [None, None],
+            "safety_checker": [None, None],
+            # The tiny model has no guardrail models; real checkpoints are run with guardrails rejected up front.
+            "enable_safety_checker": False,
+            "default_use_system_prompt": True,
+            "use_native_flow_schedule": False,
+        }
+        (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
+        (tmp / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+        if overwrite and out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _diffusers_version() -> str:
+    import diffusers
+
+    return diffusers.__version__
+
+
+def default_tiny_dir() -> Path:
+    """Where the embedded default model lives: one folder per spec and library versions."""
+    import hashlib
+
+    import diffusers
+
+    root = Path(os.environ.get("COSMOS3_BATCH_CACHE", Path.home() / ".cache" / "cosmos3_batch"))
+    key = json.dumps([asdict(TinySpec()), torch.__version__, diffusers.__version__], sort_keys=True)
+    return root / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def ensure_default_tiny() -> Path:
+    """Create the embedded default model on first use; concurrent callers race safely (atomic rename)."""
+    path = default_tiny_dir()
+    if not (path / "model_index.json").exists():
+        try:
+            write_tiny(path, TinySpec(), overwrite=False)
+        except OSError:
+            # Another rank renamed its identical copy into place first.
+            if not (path / "model_index.json").exists():
+                raise
+    return path

@@ -1,0 +1,221 @@
+"""Per-request state machine: tokenize + pack -> initial noise -> denoising steps -> VAE decode.
+
+Each step mirrors one iteration of `Cosmos3OmniPipeline.__call__`'s loop for one request, with the
+transformer forward split so that the pass loop (runner.py) can interleave many requests per layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from cosmos3_batch.model.cosmos3 import BranchSeq
+from cosmos3_batch.pipeline.context import ModelContext
+
+if TYPE_CHECKING:
+    from cosmos3_batch.requests import Request
+
+
+class RequestFailed(RuntimeError):
+    """This request cannot be completed; the job goes on with the others."""
+
+
+@dataclass
+class VisionLayout:
+    """The packed-sequence facts shared by a request's branches (they differ only in their text)."""
+
+    token_shapes: list[tuple[int, int, int]]
+    noisy_frame_indexes: list[torch.Tensor]
+    num_noisy_tokens: int
+    original_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    latents: torch.Tensor  # [1, C, T, H, W] float32: what the reference returns with output_type="latent"
+    frames: np.ndarray  # [T, H, W, 3] float32 in [0, 1]: the reference's output_type="np"
+
+
+class RequestJob:
+    def __init__(self, ctx: ModelContext, request: Request):
+        self.ctx = ctx
+        self.request = request
+        self.branches: list[BranchSeq] = []
+        self.step_index = 0
+        self.timings: dict[str, float] = {"prepare_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
+        self.tokens = 0
+        self._started = time.perf_counter()
+
+    @property
+    def cfg(self) -> bool:
+        return self.request.guidance_scale != 1.0
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= len(self.timesteps)
+
+    @property
+    def needs_und(self) -> bool:
+        return any(b.needs_und for b in self.branches)
+
+    # ---- admission ---------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        start = time.perf_counter()
+        r, helper, device = self.request, self.ctx.helper, self.ctx.device
+        cond_ids, uncond_ids = helper.tokenize_prompt(
+            r.prompt,
+            r.negative_prompt,
+            num_frames=r.num_frames,
+            height=r.height,
+            width=r.width,
+            fps=r.fps,
+            add_resolution_template=r.use_resolution_template,
+            add_duration_template=r.use_duration_template,
+        )
+        # The reference draws noise from a CPU generator seeded per request, whatever the device.
+        generator = torch.Generator("cpu").manual_seed(r.seed)
+        self.latents, self.condition_mask = self._initial_latents(generator)
+        condition_frames = [int(i) for i in torch.nonzero(self.condition_mask[:, 0, 0] > 0).flatten()]
+        prompts = [cond_ids, uncond_ids] if self.cfg else [cond_ids]
+        self.branches = [self._branch(ids, condition_frames) for ids in prompts]
+        self.tokens = sum(len(ids) for ids in prompts)
+        self.scheduler = self._scheduler()
+        self.timesteps = self.scheduler.timesteps
+        self.timings["prepare_s"] = time.perf_counter() - start
+
+    def _initial_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        r, ctx = self.request, self.ctx
+        if r.image is not None:
+            try:
+                image = Image.open(r.image)
+                image.load()
+            except OSError as exc:
+                raise RequestFailed(f"cannot read image {r.image}: {exc}") from exc
+            out = ctx.helper.prepare_latents(
+                image=image,
+                num_frames=r.num_frames,
+                height=r.height,
+                width=r.width,
+                fps=r.fps,
+                generator=generator,
+                device=ctx.device,
+                dtype=torch.float32,
+            )
+            return out[0], out[5]
+        # Without a conditioning image the reference encodes an all-zero video only to multiply it by a zero
+        # mask: the latents are exactly the noise. Skip the encode (a full VAE pass at 720p) and draw it.
+        from diffusers.utils.torch_utils import randn_tensor
+
+        vae_cfg = ctx.vae.config
+        latent_t = (r.num_frames - 1) // int(vae_cfg.scale_factor_temporal) + 1
+        spatial = int(vae_cfg.scale_factor_spatial)
+        shape = (1, int(vae_cfg.z_dim), latent_t, r.height // spatial, r.width // spatial)
+        noise = randn_tensor(shape, generator=generator, device=ctx.device, dtype=torch.float32)
+        return noise, torch.zeros((latent_t, 1, 1), device=ctx.device, dtype=torch.float32)
+
+    def _branch(self, input_ids: list[int], condition_frames: list[int]) -> BranchSeq:
+        helper, split, device = self.ctx.helper, self.ctx.split, self.ctx.device
+        text = helper._prepare_text_segment(input_ids, device=device)
+        vision = helper._prepare_vision_segment(
+            input_vision_tokens=self.latents,
+            has_image_condition=bool(condition_frames),
+            mrope_offset=text["vision_start_temporal_offset"],
+            vision_fps=self.request.fps,
+            curr=text["und_len"],
+            device=device,
+            condition_frame_indexes=condition_frames,
+        )
+        self.layout = VisionLayout(
+            token_shapes=vision["vision_token_shapes"],
+            noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
+            num_noisy_tokens=vision["num_noisy_vision_tokens"],
+        )
+        und_len = text["und_len"]
+        position_ids = torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1)
+        rot_und, rot_gen = split.rotary(position_ids, und_len, device)
+        return BranchSeq(
+            und_hidden=split.embed_text(text["input_ids"], device),
+            rot_und=rot_und,
+            rot_gen=rot_gen,
+            mse_rows=vision["vision_mse_loss_indexes"] - und_len,
+        )
+
+    def _scheduler(self):
+        from diffusers import UniPCMultistepScheduler
+
+        overrides = {} if self.request.flow_shift is None else {"flow_shift": self.request.flow_shift}
+        scheduler = UniPCMultistepScheduler.from_config(self.ctx.scheduler_config, **overrides)
+        steps = self.request.num_inference_steps
+        if self.ctx.use_native_flow_schedule:
+            train = scheduler.config.num_train_timesteps
+            sigmas = np.linspace(1.0 - 1.0 / train, 0.0, steps + 1)[:-1]
+            scheduler.set_timesteps(steps, device=self.ctx.device, sigmas=sigmas)
+        else:
+            scheduler.set_timesteps(steps, device=self.ctx.device)
+        return scheduler
+
+    # ---- one denoising step ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Embed the current latents into the GEN stream; every branch starts from the same tokens."""
+        self._step_started = time.perf_counter()
+        t = self.timesteps[self.step_index]
+        split, layout = self.ctx.split, self.layout
+        tokens = self.latents.to(device=self.ctx.device, dtype=split.dtype)
+        timesteps = torch.full((layout.num_noisy_tokens,), t.item(), device=self.ctx.device)
+        hidden, layout.original_shapes = split.embed_vision(
+            tokens, timesteps, layout.token_shapes, layout.noisy_frame_indexes
+        )
+        for branch in self.branches:
+            branch.gen_hidden = hidden
+
+    def finish_step(self) -> None:
+        """Head, condition mask, CFG combine and this request's own scheduler step."""
+        from diffusers import Cosmos3OmniPipeline
+
+        layout = self.layout
+        velocities = []
+        for branch in self.branches:
+            pred = self.ctx.split.head(
+                branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
+            )
+            masked = Cosmos3OmniPipeline._mask_velocity_predictions(
+                [pred], None, vision_condition_mask=[self.condition_mask]
+            )[0]
+            velocities.append(masked.float())
+        if self.cfg:
+            cond, uncond = velocities
+            velocity = uncond + self.request.guidance_scale * (cond - uncond)
+        else:
+            velocity = velocities[0]
+        t = self.timesteps[self.step_index]
+        self.latents = self.scheduler.step(
+            velocity.unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
+        )[0].squeeze(0)
+        self.step_index += 1
+        self.timings["denoise_s"] += time.perf_counter() - self._step_started
+
+    # ---- finish ------------------------------------------------------------------------------------
+
+    def decode(self) -> Result:
+        start = time.perf_counter()
+        self.branches = []  # drop the UND caches before the VAE needs the memory
+        latents = self.latents
+        if not torch.isfinite(latents).all():
+            raise RequestFailed("latents contain NaN or inf after denoising; nothing was written")
+        helper, vae = self.ctx.helper, self.ctx.vae
+        mean = helper._vae_latents_mean.to(device=latents.device, dtype=vae.dtype)
+        inv_std = helper._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype)
+        z_raw = latents.to(vae.dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
+        decoded = vae.decode(z_raw).sample.to(latents.dtype)
+        frames = helper.video_processor.postprocess_video(decoded, output_type="np")[0]
+        self.timings["decode_s"] = time.perf_counter() - start
+        self.timings["latency_s"] = time.perf_counter() - self._started
+        return Result(latents=latents.cpu(), frames=frames)
