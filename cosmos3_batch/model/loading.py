@@ -104,7 +104,8 @@ def fill_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where
             continue  # extra tensors (lm_head, or modules this build does not have) are ignored
         if tuple(param.shape) != tuple(tensor.shape):
             raise CheckpointError(
-                f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies {tuple(param.shape)}"
+                f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(param.shape)}"
             )
     missing = sorted(set(expected) - set(tensors))
     if missing:

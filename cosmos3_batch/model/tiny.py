@@ -167,8 +167,9 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
             for name, param in transformer.named_parameters():
                 if name.endswith("norm.weight") or "layernorm" in name or "norm_" in name:
                     param.add_(0.1 * torch.randn(param.shape, generator=generator))
-        transformer.to(DTYPES[spec.dtype])
-        transformer.time_embedder.to(torch.float32)  # as diffusers keeps it (`_keep_in_fp32_modules`)
+        for name, child in transformer.named_children():
+            if name != "time_embedder":  # diffusers keeps it in float32 (`_keep_in_fp32_modules`)
+                child.to(DTYPES[spec.dtype])
         transformer.save_pretrained(tmp / "transformer", safe_serialization=True, max_shard_size="500MB")
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
         UniPCMultistepScheduler(**scheduler_config(spec)).save_pretrained(tmp / "scheduler")
@@ -182,7 +183,7 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
             "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
             "sound_tokenizer": [None, None],
             "safety_checker": [None, None],
-            # The tiny model has no guardrail models; real checkpoints are run with guardrails rejected up front.
+            # The tiny model has no guardrail models (guardrail requests are rejected up front anyway).
             "enable_safety_checker": False,
             "default_use_system_prompt": True,
             "use_native_flow_schedule": False,

@@ -31,6 +31,35 @@ def load_tokenizer(checkpoint: Checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint.root / "text_tokenizer")
 
 
+def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None):
+    """A `Cosmos3OmniPipeline` used only for its helpers (templating, packing, latent prep).
+
+    Without modules it is built over meta-device ones from the configs: enough to tokenize and
+    validate prompts before any weight is read.
+    """
+    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
+
+    from cosmos3_batch.model.loading import build_transformer_on_meta
+
+    if transformer is None:
+        transformer = build_transformer_on_meta(checkpoint.config("transformer"))
+    if vae is None:
+        with torch.device("meta"):
+            vae = AutoencoderKLWan.from_config(checkpoint.config("vae"))
+    index = checkpoint.model_index
+    helper = Cosmos3OmniPipeline(
+        transformer=transformer,
+        text_tokenizer=tokenizer,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler.from_config(checkpoint.config("scheduler")),
+        enable_safety_checker=False,  # guardrail requests are rejected up front (no safety models offline)
+        default_use_system_prompt=index.get("default_use_system_prompt", True),
+        use_native_flow_schedule=index.get("use_native_flow_schedule", False),
+    )
+    helper.set_progress_bar_config(disable=True)
+    return helper
+
+
 def load_context(
     model_dir: str | Path,
     device: torch.device,
@@ -38,30 +67,17 @@ def load_context(
     vae_tiling: bool = False,
     tokenizer=None,
 ) -> ModelContext:
-    from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
-
     checkpoint = Checkpoint.open(model_dir)
     transformer = load_transformer(checkpoint, device, with_layers=with_layers)
     vae = load_vae(checkpoint, device)
     if vae_tiling:
         vae.enable_tiling()
-    scheduler_config = dict(UniPCMultistepScheduler.load_config(checkpoint.root / "scheduler"))
-    index = checkpoint.model_index
-    helper = Cosmos3OmniPipeline(
-        transformer=transformer,
-        text_tokenizer=tokenizer if tokenizer is not None else load_tokenizer(checkpoint),
-        vae=vae,
-        scheduler=UniPCMultistepScheduler.from_config(scheduler_config),
-        enable_safety_checker=False,  # guardrail requests are rejected up front (no safety models offline)
-        default_use_system_prompt=index.get("default_use_system_prompt", True),
-        use_native_flow_schedule=index.get("use_native_flow_schedule", False),
-    )
-    helper.set_progress_bar_config(disable=True)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(checkpoint)
     return ModelContext(
         split=Cosmos3Split(transformer),
         vae=vae,
-        helper=helper,
-        scheduler_config=scheduler_config,
+        helper=build_helper(checkpoint, tokenizer, transformer, vae),
+        scheduler_config=dict(checkpoint.config("scheduler")),
         device=device,
-        use_native_flow_schedule=bool(index.get("use_native_flow_schedule", False)),
+        use_native_flow_schedule=bool(checkpoint.model_index.get("use_native_flow_schedule", False)),
     )

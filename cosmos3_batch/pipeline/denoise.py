@@ -6,10 +6,9 @@ transformer forward split so that the pass loop (runner.py) can interleave many 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -68,7 +67,7 @@ class RequestJob:
 
     def prepare(self) -> None:
         start = time.perf_counter()
-        r, helper, device = self.request, self.ctx.helper, self.ctx.device
+        r, helper = self.request, self.ctx.helper
         cond_ids, uncond_ids = helper.tokenize_prompt(
             r.prompt,
             r.negative_prompt,

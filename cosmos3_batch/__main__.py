@@ -1,0 +1,3 @@
+from cosmos3_batch.cli import main
+
+main()

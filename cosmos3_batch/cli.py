@@ -1,0 +1,116 @@
+"""Command line: parse -> config -> call. No logic lives here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Batch image/video generation with Cosmos3 (launch with torchrun for several GPUs).",
+)
+
+
+@app.command()
+def run(
+    prompts: Annotated[
+        Path, typer.Argument(help="JSONL file, one request per line (see README: request fields).")
+    ],
+    model: Annotated[
+        Path | None,
+        typer.Option(help="Diffusers-layout Cosmos3 checkpoint folder. Default: the built-in tiny model."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Output folder: <id>.png/.mp4, <id>.json, metrics.csv.")] = Path(
+        "out"
+    ),
+    max_active: Annotated[
+        int, typer.Option(help="Requests denoised together per process; they share every layer fetch.")
+    ] = 4,
+    save_latents: Annotated[bool, typer.Option(help="Also write <id>.latents.safetensors.")] = False,
+    vae_tiling: Annotated[
+        bool, typer.Option(help="Decode in tiles: less device memory, output no longer bit-exact.")
+    ] = False,
+    skip_invalid: Annotated[
+        bool, typer.Option(help="Run the valid lines and record the invalid ones instead of exiting with 2.")
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(help="Regenerate requests whose outputs are already complete (default: skip them)."),
+    ] = False,
+    device: Annotated[str, typer.Option(help="auto (GPU of LOCAL_RANK if any), cpu or cuda.")] = "auto",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded)."""
+    from cosmos3_batch.config import RunConfig
+    from cosmos3_batch.pipeline.job import BadInput, describe_summary, run_job
+
+    _setup_logging()
+    try:
+        cfg = RunConfig(
+            prompts=prompts,
+            out=out,
+            model=model,
+            max_active=max_active,
+            save_latents=save_latents,
+            vae_tiling=vae_tiling,
+            skip_invalid=skip_invalid,
+            overwrite=overwrite,
+            device=device,
+            progress=progress,
+        )
+        code = run_job(cfg)
+    except (BadInput, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(describe_summary(out))
+    raise typer.Exit(code)
+
+
+@app.command("make-tiny")
+def make_tiny(
+    dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to (replaced if it exists).")],
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 2,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
+    heads: Annotated[
+        int, typer.Option(help="Attention heads (head dim = hidden / heads, a multiple of 8).")
+    ] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
+    intermediate: Annotated[int, typer.Option(help="MLP intermediate size.")] = 128,
+    dtype: Annotated[
+        str, typer.Option(help="Transformer weight dtype: float32, bfloat16 or float16.")
+    ] = "float32",
+) -> None:
+    """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline."""
+    from cosmos3_batch.model.tiny import TinySpec, write_tiny
+
+    try:
+        spec = TinySpec(
+            seed=seed,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate=intermediate,
+            dtype=dtype,
+        )
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    path = write_tiny(dir, spec)
+    typer.echo(f"wrote {path}")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    for noisy in ("diffusers", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,32 @@
+"""Run configuration: frozen, validated on construction so a bad flag fails before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    prompts: Path
+    out: Path
+    model: Path | None = None  # None: the embedded tiny model, built on first use
+    max_active: int = 4
+    save_latents: bool = False
+    vae_tiling: bool = False
+    skip_invalid: bool = False
+    overwrite: bool = False
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_active < 1:
+            raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not self.prompts.is_file():
+            raise ValueError(f"PROMPTS {self.prompts}: no such file")
+        if self.model is not None and not (self.model / "model_index.json").is_file():
+            raise ValueError(f"--model {self.model}: not a diffusers checkpoint folder (no model_index.json)")

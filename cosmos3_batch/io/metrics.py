@@ -1,0 +1,84 @@
+"""metrics.csv: one row per request, appended and fsynced by each rank to its own part file as soon as
+the request ends, merged into metrics.csv at the end of the run. A crash loses no finished row."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+from cosmos3_batch.io.outputs import atomic_write
+
+COLUMNS = (
+    "id",
+    "status",
+    "kind",
+    "width",
+    "height",
+    "num_frames",
+    "steps",
+    "guidance",
+    "seed",
+    "tokens",
+    "latency_s",
+    "prepare_s",
+    "denoise_s",
+    "decode_s",
+    "write_s",
+    "rank",
+    "finished_at",
+    "output",
+    "error",
+)
+PART_GLOB = ".metrics.rank*.csv"
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: Path, rank: int):
+        self.path = out_dir / f".metrics.rank{rank}.csv"
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open for the whole run)
+        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="raise")
+        if new:
+            self._writer.writeheader()
+            self._sync()
+
+    def row(self, **fields) -> None:
+        self._writer.writerow({key: _cell(fields.get(key)) for key in COLUMNS})
+        self._sync()
+
+    def _sync(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6f}"
+    return str(value)
+
+
+def merge_metrics(out_dir: Path) -> tuple[Path, list[dict]]:
+    """Union of every part file in --out (all runs, all ranks); a request's latest row wins."""
+    rows: dict[str, dict] = {}
+    parts = sorted(out_dir.glob(PART_GLOB))
+    all_rows = []
+    for part in parts:
+        with open(part, newline="") as f:
+            all_rows.extend(csv.DictReader(f))
+    for row in sorted(all_rows, key=lambda r: float(r.get("finished_at") or 0)):
+        rows[row["id"]] = row
+    merged = sorted(rows.values(), key=lambda r: r["id"])
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(merged)
+    path = out_dir / "metrics.csv"
+    atomic_write(path, lambda tmp: tmp.write_text(buffer.getvalue()))
+    return path, merged

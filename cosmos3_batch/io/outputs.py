@@ -1,0 +1,129 @@
+"""Output files: PNG / MP4 / latents / JSON sidecar, each written to a temporary name and renamed.
+
+A request is complete when its sidecar exists: the sidecar is written last and records the size of
+every other file, so a crash between files never leaves something that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    media: Path
+    sidecar: Path
+    latents: Path
+
+
+def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
+    """File names carry the request id; the id was validated, and we still refuse anything that escapes."""
+    root = out_dir.resolve()
+    media = root / f"{request_id}.{'png' if num_frames == 1 else 'mp4'}"
+    paths = OutputPaths(media, root / f"{request_id}.json", root / f"{request_id}.latents.safetensors")
+    for path in (paths.media, paths.sidecar, paths.latents):
+        if path.parent != root:
+            raise ValueError(f"request id {request_id!r} would write outside {root}")
+    return paths
+
+
+def check_writable(out_dir: Path) -> None:
+    """Fail before any weight is loaded if --out cannot take files."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from exc
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> int:
+    """Let `write` fill a temporary sibling, fsync it, rename it over `path`; return the final size."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # the rename itself must survive a power loss, not only the bytes
+    return path.stat().st_size
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    """[T, H, W, 3] floats in [0, 1] -> uint8, rounded as diffusers' `numpy_to_pil` does."""
+    return (frames * 255).round().astype(np.uint8)
+
+
+def write_png(path: Path, frame: np.ndarray) -> int:
+    from PIL import Image
+
+    return atomic_write(path, lambda tmp: Image.fromarray(frame).save(tmp, format="PNG"))
+
+
+def write_mp4(path: Path, frames: np.ndarray, fps: float) -> int:
+    import imageio.v2 as imageio
+
+    def write(tmp: Path) -> None:
+        writer = imageio.get_writer(
+            tmp,
+            format="FFMPEG",
+            fps=fps,
+            codec="libx264",
+            pixelformat="yuv420p",
+            quality=8,
+            macro_block_size=16,
+            ffmpeg_log_level="error",
+        )
+        try:
+            for frame in frames:
+                writer.append_data(frame)
+        finally:
+            writer.close()
+
+    return atomic_write(path, write)
+
+
+def write_latents(path: Path, latents) -> int:
+    from safetensors.torch import save_file
+
+    return atomic_write(path, lambda tmp: save_file({"latents": latents.contiguous()}, str(tmp)))
+
+
+def write_json(path: Path, data: dict) -> int:
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def is_complete(paths: OutputPaths, content_hash: str) -> tuple[bool, str]:
+    """(complete, why not). Complete = sidecar says so, the request is unchanged, files have their sizes."""
+    try:
+        sidecar = json.loads(paths.sidecar.read_text())
+    except (OSError, ValueError):
+        return False, "no readable sidecar"
+    if sidecar.get("status") != "complete":
+        return False, "sidecar not complete"
+    if sidecar.get("request_hash") != content_hash:
+        return False, "request changed since it was generated"
+    for entry in sidecar.get("files", {}).values():
+        file = paths.sidecar.parent / entry["name"]
+        if not file.is_file() or file.stat().st_size != entry["bytes"]:
+            return False, f"{entry['name']} missing or of the wrong size"
+    return True, ""

@@ -1,0 +1,31 @@
+"""Shared fixtures: one tiny checkpoint per test session, built locally (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from cosmos3_batch.model.tiny import TinySpec, write_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    return write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny", TinySpec())
+
+
+@pytest.fixture(scope="session")
+def cond_image(tmp_path_factory) -> Path:
+    # Not the output size on purpose: the pipeline resizes and centre-crops it.
+    path = tmp_path_factory.mktemp("img") / "cond.png"
+    pixels = (np.random.RandomState(0).rand(40, 56, 3) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
