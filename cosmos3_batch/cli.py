@@ -43,6 +43,18 @@ def run(
         typer.Option(help="Regenerate requests whose outputs are already complete (default: skip them)."),
     ] = False,
     device: Annotated[str, typer.Option(help="auto (GPU of LOCAL_RANK if any), cpu or cuda.")] = "auto",
+    offload: Annotated[
+        str,
+        typer.Option(
+            help="allgather: each rank keeps 1/N of every layer in host RAM, gathered per layer (default); "
+            "local: every rank streams whole layers from the node-shared checkpoint; resident: all "
+            "weights on the device (baseline); sharded: 1/N of every layer on the device, gathered per layer."
+        ),
+    ] = "allgather",
+    collective_timeout_s: Annotated[
+        float,
+        typer.Option(help="Seconds a collective may wait for a peer before the job fails (a dead rank)."),
+    ] = 600.0,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded)."""
@@ -62,6 +74,8 @@ def run(
             overwrite=overwrite,
             device=device,
             progress=progress,
+            offload=_offload_mode(offload),
+            collective_timeout_s=collective_timeout_s,
         )
         code = run_job(cfg)
     except (BadInput, ValueError) as exc:
@@ -104,6 +118,17 @@ def make_tiny(
         raise typer.Exit(2) from None
     path = write_tiny(dir, spec)
     typer.echo(f"wrote {path}")
+
+
+def _offload_mode(name: str):
+    from cosmos3_batch.engine.transport import OffloadMode
+
+    try:
+        return OffloadMode(name)
+    except ValueError:
+        raise ValueError(
+            f"--offload must be one of {', '.join(m.value for m in OffloadMode)}, got {name!r}"
+        ) from None
 
 
 def _setup_logging() -> None:

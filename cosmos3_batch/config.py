@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosmos3_batch.engine.transport import OffloadMode
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -20,10 +22,14 @@ class RunConfig:
     overwrite: bool = False
     device: str = "auto"
     progress: bool = True
+    offload: OffloadMode = OffloadMode.ALLGATHER
+    collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
 
     def __post_init__(self) -> None:
         if self.max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not self.prompts.is_file():

@@ -26,6 +26,8 @@ COLUMNS = (
     "denoise_s",
     "decode_s",
     "write_s",
+    "weight_bytes",
+    "stall_s",
     "rank",
     "finished_at",
     "output",

@@ -173,3 +173,42 @@ class Cosmos3Split:
             original_latent_shapes=original_shapes,
         )
         return preds[0]
+
+
+# ---- how a layer splits into the two parts the engine fetches separately ----------------------------
+
+UND, GEN = "und", "gen"
+# Parameters a layer's GEN (vision) half reads; everything else in the layer belongs to the UND half.
+GEN_PREFIXES = (
+    "input_layernorm_moe_gen.",
+    "post_attention_layernorm_moe_gen.",
+    "mlp_moe_gen.",
+    "self_attn.add_q_proj.",
+    "self_attn.add_k_proj.",
+    "self_attn.add_v_proj.",
+    "self_attn.to_add_out.",
+    "self_attn.norm_added_q.",
+    "self_attn.norm_added_k.",
+)
+
+
+def part_of(param_name: str) -> str:
+    """UND or GEN for a parameter name relative to its decoder layer."""
+    return GEN if param_name.startswith(GEN_PREFIXES) else UND
+
+
+def part_index(layer: int, part: str) -> int:
+    """Parts are ordered layer by layer, UND before GEN: [0.und, 0.gen, 1.und, 1.gen, ...]."""
+    return 2 * layer + (1 if part == GEN else 0)
+
+
+def layer_parts(layers: torch.nn.ModuleList) -> list[tuple[str, list[tuple[torch.nn.Module, str, str]]]]:
+    """(key, [(owning module, leaf name, checkpoint name)]) per part, in `part_index` order."""
+    parts = []
+    for index, layer in enumerate(layers):
+        halves: dict[str, list] = {UND: [], GEN: []}
+        for name, _ in layer.named_parameters():
+            path, _, leaf = name.rpartition(".")
+            halves[part_of(name)].append((layer.get_submodule(path), leaf, f"layers.{index}.{name}"))
+        parts += [(f"{index}.{UND}", halves[UND]), (f"{index}.{GEN}", halves[GEN])]
+    return parts

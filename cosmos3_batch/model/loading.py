@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from cosmos3_batch.engine.host import CheckpointFileError, TensorStore
 
 COMPONENTS = ("transformer", "vae", "scheduler", "text_tokenizer")
 NEVER_LOADED = ("lm_head.",)  # generation never reads the LM head (vocab x hidden: ~1.2 GB in Nano)
@@ -43,47 +44,17 @@ class Checkpoint:
         name = "scheduler_config.json" if component == "scheduler" else "config.json"
         return json.loads((self.root / component / name).read_text())
 
-    def tensor_files(self, component: str) -> dict[str, Path]:
-        """Tensor name -> safetensors file, from the index JSON when sharded."""
-        folder = self.root / component
-        indexes = sorted(folder.glob("*.safetensors.index.json"))
-        if indexes:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-            return {name: folder / file for name, file in weight_map.items()}
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{folder}: no safetensors files")
-        names: dict[str, Path] = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                names.update(dict.fromkeys(f.keys(), file))
-        return names
-
-
-def load_tensors(
-    files: dict[str, Path], wanted: Callable[[str], bool], device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """Read the wanted tensors, opening each file once (memory-mapped by safetensors)."""
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        if wanted(name):
-            by_file.setdefault(file, []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for file, names in by_file.items():
-        if not file.is_file():
-            raise CheckpointError(f"{file}: listed in the index but missing")
+    def store(self, component: str) -> TensorStore:
+        """Memory-mapped, header-checked tensors of one component (sharded via the index JSON or not)."""
         try:
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                present = set(f.keys())
-                for name in names:
-                    if name not in present:
-                        raise CheckpointError(f"{file}: index lists tensor '{name}' but the file lacks it")
-                    out[name] = f.get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as exc:  # safetensors raises its own types for truncated/corrupt files
-            raise CheckpointError(f"{file}: cannot read safetensors ({exc})") from exc
-    return out
+            return TensorStore(self.root / component)
+        except CheckpointFileError as exc:
+            raise CheckpointError(str(exc)) from exc
+
+
+def load_tensors(store: TensorStore, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """Private copies of the wanted tensors (resident weights), read from the mapped files."""
+    return {name: store.tensor(name) for name in store.names() if wanted(name)}
 
 
 def build_transformer_on_meta(config: dict):
@@ -130,12 +101,12 @@ def load_transformer(ckpt: Checkpoint, device: torch.device, with_layers: bool =
     if config.get("quantization_config"):
         raise CheckpointError(f"{ckpt.root}/transformer: quantized (FP8) checkpoints are not supported yet")
     model = build_transformer_on_meta(config)
-    files = ckpt.tensor_files("transformer")
+    store = ckpt.store("transformer")
 
     def wanted(name: str) -> bool:
         return not name.startswith(NEVER_LOADED) and (with_layers or not name.startswith("layers."))
 
-    tensors = load_tensors(files, wanted)
+    tensors = load_tensors(store, wanted)
     where = str(ckpt.root / "transformer")
     if with_layers:
         fill_module(model, tensors, where)
@@ -159,6 +130,6 @@ def load_vae(ckpt: Checkpoint, device: torch.device):
 
     with torch.device("meta"):
         vae = AutoencoderKLWan.from_config(ckpt.config("vae"))
-    tensors = load_tensors(ckpt.tensor_files("vae"), lambda name: True)
+    tensors = load_tensors(ckpt.store("vae"), lambda name: True)
     fill_module(vae, tensors, str(ckpt.root / "vae"))
     return vae.eval().requires_grad_(False).to(device)

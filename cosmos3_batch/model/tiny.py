@@ -217,13 +217,16 @@ def default_tiny_dir() -> Path:
 
 
 def ensure_default_tiny() -> Path:
-    """Create the embedded default model on first use; concurrent callers race safely (atomic rename)."""
+    """Create the embedded default model on first use. Ranks (and jobs) starting together take a file
+    lock, so one builds it and the others wait and reuse it; the rename keeps it atomic regardless."""
+    import fcntl
+
     path = default_tiny_dir()
-    if not (path / "model_index.json").exists():
-        try:
+    if (path / "model_index.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "model_index.json").exists():
             write_tiny(path, TinySpec(), overwrite=False)
-        except OSError:
-            # Another rank renamed its identical copy into place first.
-            if not (path / "model_index.json").exists():
-                raise
     return path

@@ -49,6 +49,8 @@ class RequestJob:
         self.step_index = 0
         self.timings: dict[str, float] = {"prepare_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
         self.tokens = 0
+        self.weight_bytes = 0.0  # this request's share of the weight traffic of the passes it rode on
+        self.stall_s = 0.0
         self._started = time.perf_counter()
 
     @property

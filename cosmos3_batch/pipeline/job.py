@@ -6,6 +6,7 @@ checkpoint layout) runs before any weight is read, and raises `BadInput` (exit c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -13,18 +14,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import cosmos3_batch
 from cosmos3_batch.config import RunConfig
-from cosmos3_batch.dist import pick_device
+from cosmos3_batch.dist import World, init_world, teardown
+from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics
 from cosmos3_batch.model.loading import Checkpoint, CheckpointError
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
-from cosmos3_batch.pipeline.runner import PassRunner, ResidentWeights
+from cosmos3_batch.pipeline.runner import PassRunner, PassSync
+from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
+from cosmos3_batch.schedule import assign
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -128,7 +133,6 @@ class ResultWriter:
     model_dir: Path
     metrics: MetricsWriter
     rank: int = 0
-    progress: tqdm | None = None
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -159,14 +163,14 @@ class ResultWriter:
             seed=r.seed,
             tokens=job.tokens,
             write_s=write_s,
+            weight_bytes=round(job.weight_bytes),
+            stall_s=job.stall_s,
             rank=self.rank,
             finished_at=time.time(),
             output=output,
             error=error,
             **{k: job.timings.get(k) for k in ("latency_s", "prepare_s", "denoise_s", "decode_s")},
         )
-        if self.progress is not None:
-            self.progress.update(1)
 
     def _write(self, job: RequestJob, result: Result) -> str:
         r = job.request
@@ -197,45 +201,115 @@ class ResultWriter:
         return paths.media.name
 
 
+@record
 def run_job(cfg: RunConfig) -> int:
     """Returns the exit code: 0 all requests ok, 1 some failed. Raises BadInput for exit code 2."""
+    world = init_world(cfg.device, cfg.collective_timeout_s)
+    try:
+        return _run(cfg, world)
+    finally:
+        teardown(world)
+
+
+def _check_same_plan(world: World, plan: Plan) -> None:
+    # Every rank planned from the same files; if they disagree (a file changed mid-start) the schedules
+    # would differ: stop now on every rank rather than generate some requests twice and others never.
+    digest = hashlib.sha256("".join(r.content_hash() for r in plan.requests).encode()).hexdigest()
+    if len(set(world.all_gather_object(digest))) != 1:
+        raise RuntimeError(
+            "ranks planned different request lists (did the JSONL or --out change during start?)"
+        )
+
+
+def _run(cfg: RunConfig, world: World) -> int:
     started = time.time()
+    _quiet_other_ranks(world)
     plan = plan_run(cfg)
+    _check_same_plan(world, plan)
     log.info(
         "%d requests to generate, %d already complete, %d invalid",
         len(plan.requests),
         len(plan.complete),
         len(plan.invalid),
     )
-    device = pick_device(cfg.device)
-    ctx = load_context(plan.model_dir, device, vae_tiling=cfg.vae_tiling, tokenizer=plan.tokenizer)
-    metrics = MetricsWriter(cfg.out, rank=0)
-    bar = tqdm(total=len(plan.requests), unit="req", disable=not cfg.progress, dynamic_ncols=True)
-    writer = ResultWriter(cfg, plan.model_dir, metrics, progress=bar)
+    mine = assign(plan.requests, world.world_size).queues[world.rank]
+    checkpoint = Checkpoint.open(plan.model_dir)
+    ctx = load_context(
+        plan.model_dir,
+        world.device,
+        with_layers=cfg.offload is OffloadMode.RESIDENT,
+        vae_tiling=cfg.vae_tiling,
+        tokenizer=plan.tokenizer,
+    )
+    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
+    metrics = MetricsWriter(cfg.out, rank=world.rank)
+    show = cfg.progress and world.is_main
+    bar = tqdm(total=len(plan.requests), unit="req", disable=not show, dynamic_ncols=True)
+    writer = ResultWriter(cfg, plan.model_dir, metrics, rank=world.rank)
+    sync = PassSync(world.world_size, world.main_group, world.device)
+    runner = PassRunner(ctx, weights, cfg.max_active, writer, sync, on_progress=bar.update)
     try:
-        runner = PassRunner(ctx, ResidentWeights(ctx.layers), cfg.max_active, writer)
-        runner.run(plan.requests)
+        runner.run(mine)
     finally:
         bar.close()
         metrics.close()
+        weights.close()
+    ranks = world.all_gather_object(_rank_report(world, runner, writer))
+    failed = {k: v for report in ranks for k, v in report.pop("failed").items()}
+    if world.is_main:
         merge_metrics(cfg.out)
-    wall = time.time() - started
-    summary = {
+        summary = _summary(cfg, plan, ranks, failed, time.time() - started, world)
+        outputs.write_json(cfg.out / "summary.json", summary)
+        if failed:
+            log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
+    world.barrier()  # summary.json exists before any rank reports success
+    return 1 if failed else 0
+
+
+def _quiet_other_ranks(world: World) -> None:
+    if not world.is_main:
+        logging.getLogger("cosmos3_batch").setLevel(logging.WARNING)
+
+
+def _rank_report(world: World, runner: PassRunner, writer: ResultWriter) -> dict:
+    totals = runner.totals
+    return {
+        "rank": world.rank,
+        "ok": len(writer.ok),
+        "failed": writer.failed,
+        "passes": runner.passes,
+        "all_reduces": runner.sync.all_reduces,
+        "gathers": totals.fetches if world.distributed else 0,
+        "fetches": totals.fetches,
+        "collective_trace": runner.sync.trace_digest,
+        "h2d_bytes": totals.h2d_bytes,
+        "gathered_bytes": totals.gathered_bytes,
+        "stall_s": round(totals.stall_s, 6),
+        "collective_s": round(totals.collective_s, 6),
+        "und_runs": runner.und_runs,
+    }
+
+
+def _summary(cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: float, world: World) -> dict:
+    ok = sum(report["ok"] for report in ranks)
+    return {
         "requests_in_file": len(plan.requests) + len(plan.complete) + len(plan.invalid),
-        "generated_ok": len(writer.ok),
-        "failed": [{"id": k, "error": v} for k, v in sorted(writer.failed.items())],
+        "generated_ok": ok,
+        "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
         "skipped_complete": len(plan.complete),
         "invalid": [{"line": e.line, "field": e.field, "error": e.message} for e in plan.invalid],
         "wall_s": round(wall, 3),
-        "outputs_per_minute": round(60 * len(writer.ok) / wall, 3) if wall > 0 else None,
-        "passes": runner.passes,
-        "config": {"model": str(plan.model_dir), "max_active": cfg.max_active, "device": str(device)},
+        "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
+        "ranks": ranks,
+        "config": {
+            "model": str(plan.model_dir),
+            "max_active": cfg.max_active,
+            "offload": cfg.offload.value,
+            "world_size": world.world_size,
+            "device": str(world.device),
+        },
         "versions": versions(),
     }
-    outputs.write_json(cfg.out / "summary.json", summary)
-    if writer.failed:
-        log.error("%d request(s) failed: %s", len(writer.failed), ", ".join(sorted(writer.failed)))
-    return 1 if writer.failed else 0
 
 
 def describe_summary(out: Path) -> str:

@@ -1,51 +1,81 @@
-"""The pass loop: every pass walks all layers once and applies each to every active sequence.
+"""The pass loop (DESIGN.md §4): collectives that do not depend on the requests.
 
-A pass = for each layer l: (UND half of l, if some branch still needs its UND K/V) then GEN half of l,
-applied to all active branches; then each request finishes its step on its own (head, CFG, its own
-scheduler), finished requests are decoded and written, and new ones are admitted up to
-`max_active`. Weights are asked for in the same order in every pass whatever the requests are,
-which is what lets ranks gather layers in lockstep.
+Every pass, on every rank:
+1. one small all-reduce on the main group: [active sequences, needs-UND flag, finished count];
+   a global active count of 0 ends the run on every rank at the same pass;
+2. walk layers 0..L-1 fetching the same parts in the same order (GEN always, UND only if some rank
+   flagged it): a rank with nothing active only takes part in the transfers;
+3. apply each part to all of this rank's active branches;
+4. finish each request's step on its own (head, CFG, its scheduler), decode and write finished ones,
+   admit new ones up to `max_active`.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import Counters
+from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
 
-UND, GEN = "und", "gen"
-
 # on_finished(job, result, error): exactly one of result / error is set.
 FinishedCallback = Callable[[RequestJob, Result | None, str | None], None]
 
 
 class LayerWeights(Protocol):
-    """Hands out a layer whose `part` (UND or GEN) parameters are ready for compute."""
-
+    def begin_pass(self, und: bool) -> None: ...
     def layer(self, index: int, part: str) -> torch.nn.Module: ...
+    def end_pass(self) -> Counters: ...
 
 
-class ResidentWeights:
-    """All layers live on the device: the baseline every offload mode is compared with."""
+class PassSync:
+    """The one main-group collective per pass. Also keeps a trace of every collective this rank issues."""
 
-    def __init__(self, layers: torch.nn.ModuleList):
-        self.layers = layers
+    def __init__(self, world_size: int = 1, group=None, device: torch.device | None = None):
+        self.world_size = world_size
+        self.group = group
+        # NCCL reduces device tensors, gloo host tensors.
+        self.device = device if device is not None and device.type == "cuda" else torch.device("cpu")
+        self.all_reduces = 0
+        self._trace = hashlib.sha256()
 
-    def layer(self, index: int, part: str) -> torch.nn.Module:
-        return self.layers[index]
+    def exchange(self, active: int, needs_und: bool, finished: int) -> tuple[int, bool, int]:
+        self.all_reduces += 1
+        self.note("all_reduce:3")
+        if self.world_size == 1:
+            return active, needs_und, finished
+        values = torch.tensor([active, int(needs_und), finished], dtype=torch.int64, device=self.device)
+        dist.all_reduce(values, group=self.group)
+        total_active, und_ranks, total_finished = values.tolist()
+        return total_active, und_ranks > 0, total_finished
+
+    def note(self, event: str) -> None:
+        self._trace.update(event.encode() + b";")
+
+    @property
+    def trace_digest(self) -> str:
+        return self._trace.hexdigest()
 
 
 class PassRunner:
     def __init__(
-        self, ctx: ModelContext, weights: LayerWeights, max_active: int, on_finished: FinishedCallback
+        self,
+        ctx: ModelContext,
+        weights: LayerWeights,
+        max_active: int,
+        on_finished: FinishedCallback,
+        sync: PassSync | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -53,8 +83,12 @@ class PassRunner:
         self.weights = weights
         self.max_active = max_active
         self.on_finished = on_finished
+        self.sync = sync if sync is not None else PassSync()
+        self.on_progress = on_progress
         self.passes = 0
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
+        self.totals = Counters()
+        self._finished_since_sync = 0
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:
@@ -62,11 +96,20 @@ class PassRunner:
         active: list[RequestJob] = []
         while True:
             active.extend(self._admit(queue, self.max_active - len(active)))
-            if not active:
+            local_und = any(job.needs_und for job in active)
+            total, und, finished = self.sync.exchange(len(active), local_und, self._finished_since_sync)
+            self._finished_since_sync = 0
+            if self.on_progress is not None and finished:
+                self.on_progress(finished)
+            if total == 0:
                 return
             active = self._begin(active)
-            self._pass(active)
+            self._pass(active, und)
             active = self._finish(active)
+
+    def _report(self, job: RequestJob, result: Result | None, error: str | None) -> None:
+        self._finished_since_sync += 1
+        self.on_finished(job, result, error)
 
     def _admit(self, queue: deque, free: int) -> list[RequestJob]:
         admitted = []
@@ -75,7 +118,7 @@ class PassRunner:
             try:
                 job.prepare()
             except Exception as exc:  # a bad request must not take the job down
-                self.on_finished(job, None, _describe(exc))
+                self._report(job, None, _describe(exc))
                 continue
             admitted.append(job)
         return admitted
@@ -86,26 +129,39 @@ class PassRunner:
             try:
                 job.begin_step()
             except Exception as exc:
-                self.on_finished(job, None, _describe(exc))
+                self._report(job, None, _describe(exc))
                 continue
             ok.append(job)
         return ok
 
-    def _pass(self, active: list[RequestJob]) -> None:
-        split = self.ctx.split
+    def _pass(self, active: list[RequestJob], und_flag: bool) -> None:
+        split, weights = self.ctx.split, self.weights
         last = split.num_layers - 1
         und = [b for job in active for b in job.branches if b.needs_und]
         gen = [b for job in active for b in job.branches]
+        weights.begin_pass(und_flag)
         for index in range(split.num_layers):
-            if und:
-                layer = self.weights.layer(index, UND)
+            if und_flag:
+                self.sync.note(f"part:{index}.{UND}")
+                layer = weights.layer(index, UND)
                 for branch in und:
                     split.und_layer(layer, branch, is_last=index == last)
                 self.und_runs += len(und)
-            layer = self.weights.layer(index, GEN)
+            self.sync.note(f"part:{index}.{GEN}")
+            layer = weights.layer(index, GEN)
             for branch in gen:
                 split.gen_layer(layer, branch, index)
+        counters = weights.end_pass()
+        self._account(active, counters)
         self.passes += 1
+
+    def _account(self, active: list[RequestJob], counters: Counters) -> None:
+        for name in ("h2d_bytes", "gathered_bytes", "stall_s", "collective_s", "fetches"):
+            setattr(self.totals, name, getattr(self.totals, name) + getattr(counters, name))
+        # A pass's weight traffic is shared by the requests that rode on it.
+        for job in active:
+            job.weight_bytes += (counters.h2d_bytes + counters.gathered_bytes) / len(active)
+            job.stall_s += counters.stall_s / len(active)
 
     def _finish(self, active: list[RequestJob]) -> list[RequestJob]:
         still = []
@@ -117,9 +173,9 @@ class PassRunner:
                     continue
                 result = job.decode()
             except Exception as exc:
-                self.on_finished(job, None, _describe(exc))
+                self._report(job, None, _describe(exc))
                 continue
-            self.on_finished(job, result, None)
+            self._report(job, result, None)
         return still
 
 

@@ -9,7 +9,8 @@ from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 from PIL import Image
 
 from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.runner import PassRunner, ResidentWeights
+from cosmos3_batch.pipeline.runner import PassRunner
+from cosmos3_batch.pipeline.weights import ResidentWeights
 from cosmos3_batch.requests import load_requests
 from tests.conftest import write_jsonl
 

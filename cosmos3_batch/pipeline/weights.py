@@ -1,0 +1,65 @@
+"""Where the runner gets each layer part from: resident on the device, or through the DLO engine."""
+
+from __future__ import annotations
+
+import torch
+
+from cosmos3_batch.dist import World
+from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
+from cosmos3_batch.engine.transport import Counters, OffloadMode
+from cosmos3_batch.model.cosmos3 import GEN, UND, layer_parts, part_index
+from cosmos3_batch.model.loading import Checkpoint
+
+
+class ResidentWeights:
+    """All layers live on the device: the baseline every offload mode is compared with."""
+
+    def __init__(self, layers: torch.nn.ModuleList):
+        self.layers = layers
+
+    def begin_pass(self, und: bool) -> None:
+        pass
+
+    def layer(self, index: int, part: str) -> torch.nn.Module:
+        return self.layers[index]
+
+    def end_pass(self) -> Counters:
+        return Counters()
+
+    def close(self) -> None:
+        pass
+
+
+class OffloadedWeights:
+    """Layer parts fetched by the engine, in the same order on every rank: [UND_l, ] GEN_l for each l."""
+
+    def __init__(self, engine: LayerOffload, layers: torch.nn.ModuleList):
+        self.engine = engine
+        self.layers = layers
+        n = len(layers)
+        self._orders = {
+            True: [part_index(i, p) for i in range(n) for p in (UND, GEN)],
+            False: [part_index(i, GEN) for i in range(n)],
+        }
+
+    def begin_pass(self, und: bool) -> None:
+        self.engine.begin_pass(self._orders[und])
+
+    def layer(self, index: int, part: str) -> torch.nn.Module:
+        self.engine.acquire(part_index(index, part))
+        return self.layers[index]
+
+    def end_pass(self) -> Counters:
+        return self.engine.counters.take()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_weights(layers: torch.nn.ModuleList, checkpoint: Checkpoint, mode: OffloadMode, world: World):
+    if mode is OffloadMode.RESIDENT:
+        return ResidentWeights(layers)
+    bindings = [PartBinding(key, tuple(params)) for key, params in layer_parts(layers)]
+    config = OffloadConfig(mode=mode, rank=world.rank, world_size=world.world_size)
+    engine = LayerOffload(bindings, checkpoint.store("transformer"), config, world.device, world.gather_group)
+    return OffloadedWeights(engine, layers)
