@@ -125,6 +125,23 @@ def load_transformer(ckpt: Checkpoint, device: torch.device, with_layers: bool =
     return model
 
 
+def validate_checkpoint(ckpt: Checkpoint) -> None:
+    """Every tensor the model needs is present with the shape its config implies, and no file is
+    truncated: checked from safetensors headers only, identically on every rank, before any collective."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(ckpt.config("vae"))
+    models = {"transformer": build_transformer_on_meta(ckpt.config("transformer")), "vae": vae}
+    for component, model in models.items():
+        store = ckpt.store(component)
+        try:
+            for name, param in model.named_parameters():
+                store.check(name, None, tuple(param.shape))
+        except CheckpointFileError as exc:
+            raise CheckpointError(str(exc)) from exc
+
+
 def load_vae(ckpt: Checkpoint, device: torch.device):
     from diffusers import AutoencoderKLWan
 

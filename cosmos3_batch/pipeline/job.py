@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
@@ -23,7 +24,7 @@ from cosmos3_batch.dist import World, init_world, teardown
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics
-from cosmos3_batch.model.loading import Checkpoint, CheckpointError
+from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.runner import PassRunner, PassSync
@@ -89,6 +90,7 @@ def plan_run(cfg: RunConfig) -> Plan:
     model_dir = cfg.model if cfg.model is not None else ensure_default_tiny()
     try:
         checkpoint = Checkpoint.open(model_dir)
+        validate_checkpoint(checkpoint)
         requests, invalid = load_requests(str(cfg.prompts), limits_for(checkpoint), cfg.skip_invalid)
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
@@ -250,6 +252,12 @@ def _run(cfg: RunConfig, world: World) -> int:
     runner = PassRunner(ctx, weights, cfg.max_active, writer, sync, on_progress=bar.update)
     try:
         runner.run(mine)
+    except Exception as exc:
+        if world.distributed and isinstance(exc, RuntimeError | dist.DistError):
+            log.error(
+                "a collective failed: a peer rank died or stalled past --collective-timeout-s (%s)", exc
+            )
+        raise
     finally:
         bar.close()
         metrics.close()
@@ -278,6 +286,7 @@ def _rank_report(world: World, runner: PassRunner, writer: ResultWriter) -> dict
         "ok": len(writer.ok),
         "failed": writer.failed,
         "passes": runner.passes,
+        "und_passes": runner.und_passes,
         "all_reduces": runner.sync.all_reduces,
         "gathers": totals.fetches if world.distributed else 0,
         "fetches": totals.fetches,

@@ -86,6 +86,7 @@ class PassRunner:
         self.sync = sync if sync is not None else PassSync()
         self.on_progress = on_progress
         self.passes = 0
+        self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
         self.totals = Counters()
         self._finished_since_sync = 0
@@ -154,6 +155,7 @@ class PassRunner:
         counters = weights.end_pass()
         self._account(active, counters)
         self.passes += 1
+        self.und_passes += und_flag
 
     def _account(self, active: list[RequestJob], counters: Counters) -> None:
         for name in ("h2d_bytes", "gathered_bytes", "stall_s", "collective_s", "fetches"):

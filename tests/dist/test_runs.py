@@ -1,0 +1,192 @@
+"""Real `torchrun` jobs with gloo on CPU: every mode and world size reproduces the single-process run
+bit for bit, every rank issues the same collectives, and edge cases finish cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cosmos3_batch.engine.host import TensorStore
+from cosmos3_batch.engine.layout import ParamSpec, build_part_layout
+from cosmos3_batch.model.cosmos3 import GEN, layer_parts
+from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from tests.conftest import write_jsonl
+
+pytestmark = pytest.mark.dist
+# torchrun gives each worker one thread; the reference run must use the same (CPU GEMMs reduce in a
+# thread-count-dependent order).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def random_mix(seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        frames = rng.choice([1, 1, 5, 9])
+        row = {
+            "id": f"r{i}",
+            "prompt": rng.choice(["a cat", "ocean waves at night", "a busy street", "snow"]),
+            "num_frames": frames,
+            "size": rng.choice(["32x32", "48x32", "32x64"]),
+            "num_inference_steps": rng.randint(1, 4),
+            "guidance_scale": rng.choice([1.0, 4.0, 6.0]),
+        }
+        if rng.random() < 0.5:
+            row["flow_shift"] = rng.choice([2.0, 7.0])
+        rows.append(row)
+    return rows
+
+
+def torchrun(nproc: int, *args, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "cosmos3_batch", "run", *map(str, args), "--no-progress"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def single(*args, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cosmos3_batch", "run", *map(str, args), "--no-progress"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory, tiny_ckpt):
+    folder = tmp_path_factory.mktemp("mix")
+    prompts = write_jsonl(folder / "mix.jsonl", random_mix(seed=0, count=7))
+    ref = folder / "ref"
+    proc = single(prompts, "--model", tiny_ckpt, "--out", ref, "--offload", "resident", "--save-latents")
+    assert proc.returncode == 0, proc.stderr
+    return prompts, ref
+
+
+def layer_bytes(tiny_ckpt: Path, world_size: int) -> dict[str, int]:
+    """Sum of shard bytes of all UND parts and of all GEN parts, from the engine's own layout rules."""
+    ckpt = Checkpoint.open(tiny_ckpt)
+    store = TensorStore(tiny_ckpt / "transformer")
+    model = build_transformer_on_meta(ckpt.config("transformer"))
+    sums = {"und_shard": 0, "gen_shard": 0, "und_full": 0, "gen_full": 0}
+    for key, params in layer_parts(model.layers):
+        layout = build_part_layout(key, [ParamSpec(name, *store.info(name)) for _, _, name in params], world_size)
+        half = "gen" if key.endswith(GEN) else "und"
+        sums[f"{half}_shard"] += layout.shard_bytes
+        sums[f"{half}_full"] += layout.nbytes
+    return sums
+
+
+def assert_same_outputs(ref: Path, out: Path, ids: list[str]) -> None:
+    for rid in ids:
+        expected = load_file(ref / f"{rid}.latents.safetensors")["latents"]
+        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
+        png = ref / f"{rid}.png"
+        if png.exists():
+            assert (out / f"{rid}.png").read_bytes() == png.read_bytes(), rid
+
+
+def assert_lockstep(summary: dict, world_size: int) -> None:
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(world_size))
+    for key in ("passes", "und_passes", "all_reduces", "gathers", "fetches", "collective_trace"):
+        assert len({r[key] for r in ranks}) == 1, (key, [r[key] for r in ranks])
+    assert ranks[0]["all_reduces"] == ranks[0]["passes"] + 1  # one per pass, and the one that ends the run
+
+
+@pytest.mark.parametrize("mode", ["allgather", "local", "sharded"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, world_size):
+    prompts, ref = mix
+    out = tmp_path / "out"
+    max_active = 1 + world_size % 3  # 2, 3, 1, 2: the result must not depend on it either
+    args = (prompts, "--model", tiny_ckpt, "--out", out, "--offload", mode, "--save-latents")
+    proc = torchrun(world_size, *args, "--max-active", max_active)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_outputs(ref, out, [f"r{i}" for i in range(7)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generated_ok"] == 7 and summary["failed"] == []
+    assert_lockstep(summary, world_size)
+    sizes = layer_bytes(tiny_ckpt, world_size)
+    layers = 2
+    for rank in summary["ranks"]:
+        passes, und_passes = rank["passes"], rank["und_passes"]
+        assert rank["fetches"] == layers * (passes + und_passes)
+        shard = passes * sizes["gen_shard"] + und_passes * sizes["und_shard"]
+        full = passes * sizes["gen_full"] + und_passes * sizes["und_full"]
+        if mode == "allgather":
+            assert rank["h2d_bytes"] == shard
+        if mode == "sharded":
+            assert rank["h2d_bytes"] == 0
+        if mode in ("allgather", "sharded"):
+            assert rank["gathered_bytes"] == (full - shard if world_size > 1 else 0)
+        if mode == "local":
+            assert rank["gathered_bytes"] == 0 and 0 < rank["h2d_bytes"] <= full
+
+
+def test_more_ranks_than_requests(mix, tmp_path, tiny_ckpt):
+    prompts, ref = mix
+    one = write_jsonl(tmp_path / "one.jsonl", [json.loads(prompts.read_text().splitlines()[2])])
+    proc = torchrun(3, one, "--model", tiny_ckpt, "--out", tmp_path / "out", "--save-latents")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_outputs(ref, tmp_path / "out", ["r2"])
+    assert_lockstep(json.loads((tmp_path / "out" / "summary.json").read_text()), 3)
+
+
+def test_zero_valid_requests_finish_cleanly(tmp_path, tiny_ckpt):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": ""}\n{"prompt": "x", "size": "33x32"}\n')
+    proc = torchrun(2, prompts, "--model", tiny_ckpt, "--out", tmp_path / "out", "--skip-invalid")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["generated_ok"] == 0 and len(summary["invalid"]) == 2
+    assert_lockstep(summary, 2)
+
+
+def test_rank_whose_every_request_fails(tmp_path, tiny_ckpt):
+    rows = [{"id": f"f{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 1} for i in range(2)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    for i in range(2):
+        (out / f"f{i}.png").mkdir(parents=True)  # every write fails: a directory is in the way
+    proc = torchrun(2, prompts, "--model", tiny_ckpt, "--out", out)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(f["id"] for f in summary["failed"]) == ["f0", "f1"]
+    assert_lockstep(summary, 2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_killing_one_rank_makes_the_other_exit(tmp_path, tiny_ckpt):
+    rows = [{"id": f"k{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 40} for i in range(8)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
+    cmd += ["--max-active", "1", "--no-progress", "--collective-timeout-s", "20"]
+    procs = [
+        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while not list(out.glob("k*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(out.glob("k*.json")), "no request finished before the kill"
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    stderr = procs[0].communicate(timeout=90)[1]
+    assert procs[0].returncode != 0
+    assert time.monotonic() - killed_at < 60
+    assert "peer rank died" in stderr
+    procs[1].wait()
