@@ -137,7 +137,7 @@ class LayerOffload:
         assert self._pos < len(self._order) and self._order[self._pos] == index, "parts acquired out of order"
         slot, handle = self._pending.pop(index)
         start = time.perf_counter()
-        self.backend.wait(handle)
+        self.backend.wait(handle, slot)
         self.counters.stall_s += time.perf_counter() - start
         for params, leaf, param in self._views[index][slot]:
             params[leaf] = param

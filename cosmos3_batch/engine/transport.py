@@ -59,28 +59,42 @@ class FetchSource:
     local: list[list[tuple[torch.Tensor, int]]] = field(default_factory=list)  # local: (mmap bytes, offset)
 
 
-def fill_slot(
+def copy_in(
     src: FetchSource, index: int, slot: torch.Tensor, counters: Counters, non_blocking: bool = False
 ) -> None:
-    """Make `slot[:nbytes]` hold part `index` on this rank. The same collective on every rank."""
+    """Host -> slot: our own shard into our own range (allgather), or the whole part (local)."""
     layout = src.layouts[index]
     buf = slot[: layout.nbytes]
     if src.mode is OffloadMode.LOCAL:
         for data, offset in src.local[index]:
             buf[offset : offset + data.numel()].copy_(data, non_blocking=non_blocking)
         counters.h2d_bytes += layout.payload_bytes
-    else:
+    elif src.mode is OffloadMode.ALLGATHER:
         lo, hi = layout.shard_range(src.rank)
-        shard = src.host.shard(index)
-        if src.mode is OffloadMode.ALLGATHER or src.world_size == 1:
-            buf[lo:hi].copy_(shard, non_blocking=non_blocking)
-            counters.h2d_bytes += layout.shard_bytes if src.mode is OffloadMode.ALLGATHER else 0
-            shard = buf[lo:hi]  # in place: input is our own slice of the output
-        if src.world_size > 1:
-            start = time.perf_counter()
-            dist.all_gather_into_tensor(buf, shard, group=src.group)
-            counters.collective_s += time.perf_counter() - start
-            counters.gathered_bytes += layout.nbytes - layout.shard_bytes
+        buf[lo:hi].copy_(src.host.shard(index), non_blocking=non_blocking)
+        counters.h2d_bytes += layout.shard_bytes
+    elif src.world_size == 1:  # sharded, alone: the "gather" is a device-local copy
+        buf.copy_(src.host.shard(index), non_blocking=non_blocking)
+
+
+def gather(src: FetchSource, index: int, slot: torch.Tensor, counters: Counters) -> None:
+    """Rebuild the part on every rank: one AllGather, in place for allgather (input = own slice)."""
+    if src.mode is OffloadMode.LOCAL or src.world_size == 1:
+        return
+    layout = src.layouts[index]
+    buf = slot[: layout.nbytes]
+    lo, hi = layout.shard_range(src.rank)
+    shard = buf[lo:hi] if src.mode is OffloadMode.ALLGATHER else src.host.shard(index)
+    start = time.perf_counter()
+    dist.all_gather_into_tensor(buf, shard, group=src.group)
+    counters.collective_s += time.perf_counter() - start
+    counters.gathered_bytes += layout.nbytes - layout.shard_bytes
+
+
+def fill_slot(src: FetchSource, index: int, slot: torch.Tensor, counters: Counters) -> None:
+    """Make the slot hold part `index` on this rank. Issues the same collective on every rank."""
+    copy_in(src, index, slot, counters)
+    gather(src, index, slot, counters)
     counters.fetches += 1
 
 
@@ -98,7 +112,7 @@ class CpuBackend:
         # is synchronous on the main thread), so the worker may overwrite it.
         return self._worker.submit(fill_slot, self.source, index, self.slots[slot], self.counters)
 
-    def wait(self, handle: Future) -> None:
+    def wait(self, handle: Future, slot: int) -> None:
         handle.result()  # re-raises a failed gather here, on the compute thread
 
     def release(self, slot: int) -> None:
