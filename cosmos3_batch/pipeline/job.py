@@ -287,6 +287,7 @@ def _rank_report(world: World, runner: PassRunner, writer: ResultWriter) -> dict
         "failed": writer.failed,
         "passes": runner.passes,
         "und_passes": runner.und_passes,
+        "pass_s": round(runner.pass_s, 6),
         "all_reduces": runner.sync.all_reduces,
         "gathers": totals.fetches if world.distributed else 0,
         "fetches": totals.fetches,

@@ -13,6 +13,7 @@ Every pass, on every rank:
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
@@ -87,6 +88,7 @@ class PassRunner:
         self.on_progress = on_progress
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
+        self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
         self.totals = Counters()
         self._finished_since_sync = 0
@@ -140,6 +142,7 @@ class PassRunner:
         last = split.num_layers - 1
         und = [b for job in active for b in job.branches if b.needs_und]
         gen = [b for job in active for b in job.branches]
+        started = time.perf_counter()
         weights.begin_pass(und_flag)
         for index in range(split.num_layers):
             if und_flag:
@@ -153,6 +156,7 @@ class PassRunner:
             for branch in gen:
                 split.gen_layer(layer, branch, index)
         counters = weights.end_pass()
+        self.pass_s += time.perf_counter() - started
         self._account(active, counters)
         self.passes += 1
         self.und_passes += und_flag

@@ -1,0 +1,48 @@
+"""Host memory per rank, read from /proc by scripts/mem_probe.py under a real torchrun (N=2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cosmos3_batch.model.tiny import TinySpec, write_tiny
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mid_ckpt(tmp_path_factory) -> Path:
+    # ~250 MB of float32 layer weights in 64 parts: big enough that /proc figures are not noise, and the
+    # two fetch slots (2 of 64 parts) stay small next to a rank's shards.
+    spec = TinySpec(layers=32, hidden=256, heads=4, kv_heads=2, intermediate=1024)
+    return write_tiny(tmp_path_factory.mktemp("mid") / "mid", spec)
+
+
+def probe(ckpt: Path, mode: str, tmp_path: Path) -> list[dict]:
+    out = tmp_path / f"{mode}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "scripts" / "mem_probe.py"), str(ckpt), mode, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+
+def test_allgather_rank_holds_half_the_layers_privately(mid_ckpt, tmp_path):
+    for rank in probe(mid_ckpt, "allgather", tmp_path):
+        share = rank["layer_bytes"] / 2
+        assert abs(rank["rss_anon_delta"] - share) <= 0.10 * share, rank
+
+
+def test_local_mode_holds_no_layer_copy_and_naive_holds_all(mid_ckpt, tmp_path):
+    for rank in probe(mid_ckpt, "local", tmp_path):
+        # Only the two fetch slots may become private; the layers stay in the shared page cache.
+        assert rank["rss_anon_delta"] <= rank["slot_bytes"] + 0.02 * rank["layer_bytes"], rank
+    for rank in probe(mid_ckpt, "naive", tmp_path):
+        assert rank["rss_anon_delta"] >= 0.95 * rank["layer_bytes"], rank
