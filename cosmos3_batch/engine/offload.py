@@ -100,10 +100,12 @@ class LayerOffload:
     def _verify_digest(self) -> None:
         if self.config.world_size == 1:
             return
-        digests: list[str | None] = [None] * self.config.world_size
+        # Sized by the group, not by our config: a rank configured with the wrong world size must get the
+        # same clear error as the others, not an IndexError inside the exchange.
+        digests: list[str | None] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(digests, self.digest, group=self.group)
-        if len(set(digests)) != 1:
-            ranks = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+        if len(set(digests)) != 1 or len(digests) != self.config.world_size:
+            ranks = ", ".join(f"rank {r}: {str(d)[:12]}" for r, d in enumerate(digests))
             raise LayoutMismatch(
                 f"layer layouts differ across ranks (different checkpoints or versions?): {ranks}"
             )

@@ -4,7 +4,7 @@ Every rank builds the model on the meta device, runs two passes (all parts, then
 checks each part against the true tensors right after `acquire`, and writes `<out>/rank<r>.json`.
 
 Scenarios: `ok` (modes allgather, sharded, local); `shape` (rank 1 has its own checkpoint and model with one
-parameter of another shape); `world` (rank 1 configures the engine with world_size + 1).
+parameter of another shape); `world` / `world_less` (rank 1 configures the engine with world_size +/- 1).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenario", choices=["ok", "shape", "world"], default="ok")
+    parser.add_argument("--scenario", choices=["ok", "shape", "world", "world_less"], default="ok")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -126,7 +126,7 @@ def main() -> None:
     dist.barrier()  # the checkpoint is complete before anyone opens it
     result: dict = {"rank": rank, "world_size": world_size, "modes": [], "error": None}
     modes = ["allgather", "sharded", "local"] if args.scenario == "ok" else ["allgather"]
-    config_world = world_size + 1 if odd and args.scenario == "world" else world_size
+    config_world = world_size + {"world": 1, "world_less": -1}.get(args.scenario, 0) if odd else world_size
     try:
         for mode in modes:
             result["modes"].append(run_mode(mode, folder, shapes, rank, config_world))

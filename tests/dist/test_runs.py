@@ -76,7 +76,9 @@ def layer_bytes(tiny_ckpt: Path, world_size: int) -> dict[str, int]:
     model = build_transformer_on_meta(ckpt.config("transformer"))
     sums = {"und_shard": 0, "gen_shard": 0, "und_full": 0, "gen_full": 0}
     for key, params in layer_parts(model.layers):
-        layout = build_part_layout(key, [ParamSpec(name, *store.info(name)) for _, _, name in params], world_size)
+        layout = build_part_layout(
+            key, [ParamSpec(name, *store.info(name)) for _, _, name in params], world_size
+        )
         half = "gen" if key.endswith(GEN) else "und"
         sums[f"{half}_shard"] += layout.shard_bytes
         sums[f"{half}_full"] += layout.nbytes
@@ -150,7 +152,10 @@ def test_zero_valid_requests_finish_cleanly(tmp_path, tiny_ckpt):
 
 
 def test_rank_whose_every_request_fails(tmp_path, tiny_ckpt):
-    rows = [{"id": f"f{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 1} for i in range(2)]
+    rows = [
+        {"id": f"f{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
+        for i in range(2)
+    ]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out"
     for i in range(2):
@@ -169,14 +174,29 @@ def _free_port() -> int:
 
 
 def test_killing_one_rank_makes_the_other_exit(tmp_path, tiny_ckpt):
-    rows = [{"id": f"k{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 40} for i in range(8)]
+    rows = [
+        {"id": f"k{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 40}
+        for i in range(8)
+    ]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out"
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cosmos3_batch",
+        "run",
+        str(prompts),
+        "--model",
+        str(tiny_ckpt),
+        "--out",
+        str(out),
+    ]
     cmd += ["--max-active", "1", "--no-progress", "--collective-timeout-s", "20"]
     procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True
+        )
         for r in range(2)
     ]
     deadline = time.monotonic() + 120
