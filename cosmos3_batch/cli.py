@@ -55,6 +55,17 @@ def run(
         float,
         typer.Option(help="Seconds a collective may wait for a peer before the job fails (a dead rank)."),
     ] = 600.0,
+    max_vision_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Reject requests above this many vision tokens (latent frames x (H/32) x (W/32)) before "
+            "loading, so one request cannot exhaust a GPU. 1280x720x189 frames = 44,160."
+        ),
+    ] = 65536,
+    und_cache: Annotated[
+        bool,
+        typer.Option(help="Cache each prompt's UND K/V once (default). --no-und-cache is an ablation only."),
+    ] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded)."""
@@ -76,6 +87,8 @@ def run(
             progress=progress,
             offload=_offload_mode(offload),
             collective_timeout_s=collective_timeout_s,
+            max_vision_tokens=max_vision_tokens,
+            und_cache=und_cache,
         )
         code = run_job(cfg)
     except (BadInput, ValueError) as exc:

@@ -23,11 +23,15 @@ class RunConfig:
     device: str = "auto"
     progress: bool = True
     offload: OffloadMode = OffloadMode.ALLGATHER
+    max_vision_tokens: int = 65536
+    und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
 
     def __post_init__(self) -> None:
         if self.max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
+        if self.max_vision_tokens < 1:
+            raise ValueError(f"--max-vision-tokens must be >= 1, got {self.max_vision_tokens}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.device not in DEVICES:

@@ -48,6 +48,9 @@ class ModelLimits:
     max_side: int = 4096  # bound on width and height
     max_frames: int = 1024  # bound on num_frames
     max_steps: int = 1000  # bound on num_inference_steps
+    # Vision tokens of one request (latent frames x latent cells / patch^2), so that one request cannot
+    # exhaust a GPU: 1280x720 at 189 frames is 44,160; the default leaves room for 1080p at 121 frames.
+    max_vision_tokens: int = 65536
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)
@@ -223,6 +226,18 @@ def _check_sides(
 def _nearest(lower: int, upper: int, minimum: int, maximum: int) -> str:
     choices = [str(value) for value in (lower, upper) if minimum <= value <= maximum]
     return " or ".join(choices) if choices else "none within the limits"
+
+
+def check_budget(out: LineErrors, limits: ModelLimits, width: int, height: int, num_frames: int) -> None:
+    latent_t = (num_frames - 1) // limits.temporal_factor + 1
+    cells = -(-height // (limits.spatial_factor * 2)) * -(-width // (limits.spatial_factor * 2))
+    tokens = latent_t * cells
+    if tokens > limits.max_vision_tokens:
+        out.add(
+            "num_frames" if num_frames > 1 else "size",
+            f"{width}x{height} x {num_frames} frames is {tokens:,} vision tokens, over the per-request "
+            f"bound of {limits.max_vision_tokens:,} (raise it with --max-vision-tokens if the GPUs allow)",
+        )
 
 
 def check_numbers(

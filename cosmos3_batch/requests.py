@@ -23,6 +23,7 @@ from cosmos3_batch.request_fields import (
     ModelLimits,
     NonFinite,
     RequestError,
+    check_budget,
     check_extra_params,
     check_frames,
     check_id,
@@ -204,6 +205,8 @@ def _validate_object(
         "image": check_image(out, obj, base_dir, num_frames),
         **check_extra_params(out, obj),
     }
+    if not out.errors and num_frames is not None:
+        check_budget(out, limits, values["width"], values["height"], num_frames)
     if out.errors:
         return None, request_id, out.errors
     assert request_id is not None and num_frames is not None

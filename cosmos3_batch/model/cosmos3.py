@@ -27,6 +27,7 @@ class BranchSeq:
     """One prompt branch (cond or uncond) of one request, as the layers see it."""
 
     und_hidden: torch.Tensor | None  # [und_len, hidden] while the UND half still has to run
+    text_hidden: torch.Tensor  # the branch's token embeddings: where the UND stream starts
     rot_und: Rotary
     rot_gen: Rotary
     mse_rows: torch.Tensor  # rows of the GEN stream whose predictions the head reads
@@ -36,6 +37,10 @@ class BranchSeq:
     @property
     def needs_und(self) -> bool:
         return self.und_hidden is not None
+
+    def reset_und(self) -> None:
+        """Drop the cached UND K/V so the next pass recomputes them (the no-cache ablation)."""
+        self.und_hidden, self.und_kv = self.text_hidden, []
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

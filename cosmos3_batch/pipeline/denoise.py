@@ -42,9 +42,10 @@ class Result:
 
 
 class RequestJob:
-    def __init__(self, ctx: ModelContext, request: Request):
+    def __init__(self, ctx: ModelContext, request: Request, und_cache: bool = True):
         self.ctx = ctx
         self.request = request
+        self.und_cache = und_cache
         self.branches: list[BranchSeq] = []
         self.step_index = 0
         self.timings: dict[str, float] = {"prepare_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
@@ -141,8 +142,10 @@ class RequestJob:
         und_len = text["und_len"]
         position_ids = torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1)
         rot_und, rot_gen = split.rotary(position_ids, und_len, device)
+        text_hidden = split.embed_text(text["input_ids"], device)
         return BranchSeq(
-            und_hidden=split.embed_text(text["input_ids"], device),
+            und_hidden=text_hidden,
+            text_hidden=text_hidden,
             rot_und=rot_und,
             rot_gen=rot_gen,
             mse_rows=vision["vision_mse_loss_indexes"] - und_len,
@@ -201,6 +204,9 @@ class RequestJob:
             velocity.unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
         )[0].squeeze(0)
         self.step_index += 1
+        if not self.und_cache:
+            for branch in self.branches:  # the ablation: forget the UND K/V, redo them next pass
+                branch.reset_und()
         self.timings["denoise_s"] += time.perf_counter() - self._step_started
 
     # ---- finish ------------------------------------------------------------------------------------

@@ -48,11 +48,12 @@ class Plan:
     tokenizer: object = None
 
 
-def limits_for(checkpoint: Checkpoint) -> ModelLimits:
+def limits_for(checkpoint: Checkpoint, max_vision_tokens: int) -> ModelLimits:
     vae = checkpoint.config("vae")
     return ModelLimits(
         spatial_factor=int(vae.get("scale_factor_spatial", 16)),
         temporal_factor=int(vae.get("scale_factor_temporal", 4)),
+        max_vision_tokens=max_vision_tokens,
     )
 
 
@@ -91,7 +92,9 @@ def plan_run(cfg: RunConfig) -> Plan:
     try:
         checkpoint = Checkpoint.open(model_dir)
         validate_checkpoint(checkpoint)
-        requests, invalid = load_requests(str(cfg.prompts), limits_for(checkpoint), cfg.skip_invalid)
+        requests, invalid = load_requests(
+            str(cfg.prompts), limits_for(checkpoint, cfg.max_vision_tokens), cfg.skip_invalid
+        )
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
     outputs.check_writable(cfg.out)
@@ -249,7 +252,7 @@ def _run(cfg: RunConfig, world: World) -> int:
     bar = tqdm(total=len(plan.requests), unit="req", disable=not show, dynamic_ncols=True)
     writer = ResultWriter(cfg, plan.model_dir, metrics, rank=world.rank)
     sync = PassSync(world.world_size, world.main_group, world.device)
-    runner = PassRunner(ctx, weights, cfg.max_active, writer, sync, on_progress=bar.update)
+    runner = PassRunner(ctx, weights, cfg.max_active, writer, sync, bar.update, und_cache=cfg.und_cache)
     try:
         runner.run(mine)
     except Exception as exc:

@@ -77,6 +77,7 @@ class PassRunner:
         on_finished: FinishedCallback,
         sync: PassSync | None = None,
         on_progress: Callable[[int], None] | None = None,
+        und_cache: bool = True,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -86,6 +87,7 @@ class PassRunner:
         self.on_finished = on_finished
         self.sync = sync if sync is not None else PassSync()
         self.on_progress = on_progress
+        self.und_cache = und_cache
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
@@ -117,7 +119,7 @@ class PassRunner:
     def _admit(self, queue: deque, free: int) -> list[RequestJob]:
         admitted = []
         while queue and len(admitted) < free:
-            job = RequestJob(self.ctx, queue.popleft())
+            job = RequestJob(self.ctx, queue.popleft(), und_cache=self.und_cache)
             try:
                 job.prepare()
             except Exception as exc:  # a bad request must not take the job down

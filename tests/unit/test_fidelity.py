@@ -117,3 +117,22 @@ def test_cases_differ_from_each_other(reference):
     # Guards the test itself: different seeds / shifts / steps must give different latents.
     assert not torch.equal(reference["shift2"][0], reference["shift9"][0])
     assert not torch.equal(reference["t2v-cfg"][0], reference["t2v-nocfg"][0])
+
+
+def test_und_cache_changes_nothing(tiny_ckpt, requests_, reference):
+    """Recomputing the UND stream every step (as the reference does) gives the same bits, at the cost of
+    one UND run per branch, layer and step instead of per branch and layer."""
+    ctx = load_context(tiny_ckpt, torch.device("cpu"))
+    results = {}
+    runner = PassRunner(
+        ctx,
+        ResidentWeights(ctx.layers),
+        3,
+        lambda job, res, err: results.__setitem__(job.request.id, res),
+        und_cache=False,
+    )
+    runner.run(requests_)
+    for rid, (ref_latents, _) in reference.items():
+        assert torch.equal(results[rid].latents, ref_latents), rid
+    branch_steps = sum((1 if r.guidance_scale == 1.0 else 2) * r.num_inference_steps for r in requests_)
+    assert runner.und_runs == branch_steps * 2
