@@ -98,6 +98,41 @@ def run(
     raise typer.Exit(code)
 
 
+@app.command()
+def plan(
+    prompts: Annotated[Path, typer.Argument(help="JSONL file to plan.")],
+    nproc: Annotated[int, typer.Option(help="Ranks in the job (GPUs x nodes).")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Validate PROMPTS without loading any weights and show which rank gets which request."""
+    import json
+
+    from cosmos3_batch.requests import RequestFileError, load_requests
+    from cosmos3_batch.schedule import assign, describe, predicted_cost
+
+    try:
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        requests, _ = load_requests(str(prompts))
+    except (RequestFileError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    assignment = assign(requests, nproc)
+    if json_out:
+        ranks = [
+            {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
+            for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
+        ]
+        doc = {"requests": len(requests), "ranks": ranks, "predicted_idle_share": assignment.idle_share}
+        doc["total_work"] = sum(predicted_cost(r) for r in requests)
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        typer.echo(
+            f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"
+        )
+        typer.echo(describe(assignment))
+
+
 @app.command("make-tiny")
 def make_tiny(
     dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to (replaced if it exists).")],

@@ -213,3 +213,20 @@ def test_python_dash_m_entry_point(job, tiny_ckpt):
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "2 generated, 0 failed" in proc.stdout
+
+
+def test_plan_balances_ranks_deterministically(tmp_path):
+    rows = [{"id": f"p{i}", "prompt": "x", "num_frames": 1 + 4 * (i % 3), "size": "64x64"} for i in range(7)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    first = invoke("plan", prompts, "--nproc", "3", "--json")
+    assert first.exit_code == 0, first.output
+    doc = json.loads(first.output)
+    assert invoke("plan", prompts, "--nproc", "3", "--json").output == first.output
+    assert sorted(i for rank in doc["ranks"] for i in rank["ids"]) == sorted(r["id"] for r in rows)
+    work = [rank["predicted_work"] for rank in doc["ranks"]]
+    assert sum(work) == doc["total_work"]
+    assert max(work) - min(work) <= max(work) / 2  # LPT: no rank far above the others
+    text = invoke("plan", prompts, "--nproc", "3").output
+    assert "predicted idle share" in text and "7 valid requests on 3 rank(s)" in text
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}])
+    assert invoke("plan", bad).exit_code == 2
