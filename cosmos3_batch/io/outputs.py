@@ -44,6 +44,14 @@ def check_writable(out_dir: Path) -> None:
         raise ValueError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from exc
 
 
+def remove_stale_temporaries(out_dir: Path) -> int:
+    """Temporaries of a killed run are never complete outputs: delete them (one job per --out)."""
+    stale = list(out_dir.glob(".*.tmp.*"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> int:
     """Let `write` fill a temporary sibling, fsync it, rename it over `path`; return the final size."""
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")

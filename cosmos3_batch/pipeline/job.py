@@ -230,7 +230,9 @@ def _run(cfg: RunConfig, world: World) -> int:
     started = time.time()
     _quiet_other_ranks(world)
     plan = plan_run(cfg)
-    _check_same_plan(world, plan)
+    if world.is_main and (stale := outputs.remove_stale_temporaries(cfg.out)):
+        log.info("removed %d temporary file(s) left by an interrupted run", stale)
+    _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
     log.info(
         "%d requests to generate, %d already complete, %d invalid",
         len(plan.requests),
