@@ -37,10 +37,7 @@ def launch(prompts, tiny_ckpt, out) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
     cmd += ["--save-latents", "--max-active", "1", "--no-progress"]
-    # Own session, so the kill takes torchrun and both workers at once, as a preempted node would.
-    return subprocess.Popen(
-        cmd, env=ENV, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def descendants(pid: int) -> list[int]:
