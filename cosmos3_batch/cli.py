@@ -66,11 +66,18 @@ def run(
         bool,
         typer.Option(help="Cache each prompt's UND K/V once (default). --no-und-cache is an ablation only."),
     ] = True,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            help="INDEX/COUNT: run only this slice of PROMPTS (by id hash), e.g. a Slurm array task."
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded)."""
     from cosmos3_batch.config import RunConfig
     from cosmos3_batch.pipeline.job import BadInput, describe_summary, run_job
+    from cosmos3_batch.schedule import parse_shard
 
     _setup_logging()
     try:
@@ -89,12 +96,13 @@ def run(
             collective_timeout_s=collective_timeout_s,
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
+            shard=None if shard is None else parse_shard(shard),
         )
         code = run_job(cfg)
     except (BadInput, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(describe_summary(out))
+    typer.echo(describe_summary(out, cfg.tag))
     raise typer.Exit(code)
 
 
@@ -103,17 +111,23 @@ def plan(
     prompts: Annotated[Path, typer.Argument(help="JSONL file to plan.")],
     nproc: Annotated[int, typer.Option(help="Ranks in the job (GPUs x nodes).")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    shard: Annotated[
+        str | None, typer.Option(help="INDEX/COUNT: plan only this slice, as `run --shard`.")
+    ] = None,
 ) -> None:
     """Validate PROMPTS without loading any weights and show which rank gets which request."""
     import json
 
     from cosmos3_batch.requests import RequestFileError, load_requests
-    from cosmos3_batch.schedule import assign, describe, predicted_cost
+    from cosmos3_batch.schedule import assign, describe, in_shard, parse_shard, predicted_cost
 
     try:
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
         requests, _ = load_requests(str(prompts))
+        if shard is not None:
+            index, count = parse_shard(shard)
+            requests = [r for r in requests if in_shard(r.id, index, count)]
     except (RequestFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -24,8 +24,14 @@ class RunConfig:
     progress: bool = True
     offload: OffloadMode = OffloadMode.ALLGATHER
     max_vision_tokens: int = 65536
+    shard: tuple[int, int] | None = None  # (index, count): this job runs one slice of the file
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
+
+    @property
+    def tag(self) -> str:
+        """Distinguishes files of array tasks that share one --out."""
+        return "" if self.shard is None else f"shard{self.shard[0]}of{self.shard[1]}"
 
     def __post_init__(self) -> None:
         if self.max_active < 1:

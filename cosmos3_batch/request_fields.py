@@ -126,7 +126,7 @@ def check_id(out: LineErrors, obj: JsonObject, line: int) -> str | None:
     elif not _ID_RE.fullmatch(value) or value.startswith(".") or ".." in value:
         rule = "use 1-128 characters from A-Z a-z 0-9 . _ -, not starting with '.' and without '..'"
         out.add("id", f"{_show(value)} is not a safe file name: {rule}")
-    elif value.lower() in RESERVED_IDS:
+    elif value.lower().split(".")[0] in RESERVED_IDS:  # summary.json, summary.shard0of4.json
         out.add("id", f"{value!r} is reserved: its {value}.json sidecar would overwrite the job's summary")
     else:
         return value

@@ -5,6 +5,7 @@ Pure: no torch, no torch.distributed. Every rank computes the same assignment fr
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,24 @@ def assign(requests: Sequence[Request], world_size: int) -> Assignment:
     # Within a rank, keep file order: predictable for users reading logs and outputs.
     queues = tuple(tuple(r for r in requests if owner[r.id] == rank) for rank in range(world_size))
     return Assignment(queues, tuple(loads))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'INDEX/COUNT' -> (index, count), 0 <= index < count."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be INDEX/COUNT, e.g. 0/8, got {text!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"--shard {text}: need 0 <= INDEX < COUNT")
+    return index, count
+
+
+def in_shard(request_id: str, index: int, count: int) -> bool:
+    """Shards split by a hash of the id: disjoint, their union is the file, and a request stays in its
+    shard when other lines are added, removed or fixed (so an array job can be resubmitted safely)."""
+    digest = hashlib.sha256(request_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % count == index
 
 
 def describe(assignment: Assignment) -> str:

@@ -33,12 +33,13 @@ COLUMNS = (
     "output",
     "error",
 )
-PART_GLOB = ".metrics.rank*.csv"
+PART_GLOB = ".metrics.*rank*.csv"
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, rank: int):
-        self.path = out_dir / f".metrics.rank{rank}.csv"
+    def __init__(self, out_dir: Path, rank: int, tag: str = ""):
+        # One part file per writer: ranks, and array tasks sharing --out, never append to the same file.
+        self.path = out_dir / f".metrics.{tag + '-' if tag else ''}rank{rank}.csv"
         new = not self.path.exists() or self.path.stat().st_size == 0
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open for the whole run)
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="raise")

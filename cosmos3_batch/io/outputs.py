@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +45,19 @@ def check_writable(out_dir: Path) -> None:
         raise ValueError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from exc
 
 
-def remove_stale_temporaries(out_dir: Path) -> int:
-    """Temporaries of a killed run are never complete outputs: delete them (one job per --out)."""
-    stale = list(out_dir.glob(".*.tmp.*"))
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return len(stale)
+_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.tmp(?P<suffix>\.[^.]+)$")
+
+
+def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
+    """Delete temporaries that a killed run left for *these* requests. Other jobs (array tasks of other
+    shards) may share --out and be writing their own requests' temporaries right now: never touch those."""
+    removed = 0
+    for path in out_dir.glob(".*.tmp.*"):
+        match = _TEMPORARY.match(path.name)
+        if match and match["stem"].removesuffix(".latents") in ids:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> int:

@@ -30,7 +30,7 @@ from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.runner import PassRunner, PassSync
 from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
-from cosmos3_batch.schedule import assign
+from cosmos3_batch.schedule import assign, in_shard
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -103,6 +103,8 @@ def plan_run(cfg: RunConfig) -> Plan:
     errors = token_errors(requests, helper, int(getattr(tokenizer, "model_max_length", 1 << 30)))
     if errors and not cfg.skip_invalid:
         raise BadInput(str(RequestFileError(str(cfg.prompts), errors)))
+    if cfg.shard is not None:
+        requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     bad_lines = {e.line for e in errors}
     invalid = sorted(invalid + errors, key=lambda e: e.line)
     requests = [r for r in requests if r.line not in bad_lines]
@@ -230,7 +232,8 @@ def _run(cfg: RunConfig, world: World) -> int:
     started = time.time()
     _quiet_other_ranks(world)
     plan = plan_run(cfg)
-    if world.is_main and (stale := outputs.remove_stale_temporaries(cfg.out)):
+    ids = {r.id for r in plan.requests}
+    if world.is_main and (stale := outputs.remove_stale_temporaries(cfg.out, ids)):
         log.info("removed %d temporary file(s) left by an interrupted run", stale)
     _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
     log.info(
@@ -249,7 +252,7 @@ def _run(cfg: RunConfig, world: World) -> int:
         tokenizer=plan.tokenizer,
     )
     weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
-    metrics = MetricsWriter(cfg.out, rank=world.rank)
+    metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
     bar = tqdm(total=len(plan.requests), unit="req", disable=not show, dynamic_ncols=True)
     writer = ResultWriter(cfg, plan.model_dir, metrics, rank=world.rank)
@@ -272,7 +275,7 @@ def _run(cfg: RunConfig, world: World) -> int:
     if world.is_main:
         merge_metrics(cfg.out)
         summary = _summary(cfg, plan, ranks, failed, time.time() - started, world)
-        outputs.write_json(cfg.out / "summary.json", summary)
+        outputs.write_json(cfg.out / summary_name(cfg.tag), summary)
         if failed:
             log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
     world.barrier()  # summary.json exists before any rank reports success
@@ -327,8 +330,12 @@ def _summary(cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: 
     }
 
 
-def describe_summary(out: Path) -> str:
-    summary = json.loads((out / "summary.json").read_text())
+def summary_name(tag: str) -> str:
+    return f"summary.{tag}.json" if tag else "summary.json"
+
+
+def describe_summary(out: Path, tag: str = "") -> str:
+    summary = json.loads((out / summary_name(tag)).read_text())
     return (
         f"{summary['generated_ok']} generated, {len(summary['failed'])} failed, "
         f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"

@@ -230,3 +230,18 @@ def test_plan_balances_ranks_deterministically(tmp_path):
     assert "predicted idle share" in text and "7 valid requests on 3 rank(s)" in text
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}])
     assert invoke("plan", bad).exit_code == 2
+
+
+def test_array_shards_share_one_out_folder(tmp_path, tiny_ckpt):
+    rows = [{**IMAGE, "id": f"s{i}", "num_inference_steps": 1} for i in range(5)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    for index in range(2):
+        assert run(tiny_ckpt, prompts, out, "--shard", f"{index}/2").exit_code == 0
+    assert sorted(p.stem for p in out.glob("s*.png")) == [f"s{i}" for i in range(5)]
+    made = [json.loads((out / f"summary.shard{k}of2.json").read_text())["generated_ok"] for k in range(2)]
+    assert sum(made) == 5 and min(made) > 0
+    with open(out / "metrics.csv") as f:
+        assert sorted(row["id"] for row in csv.DictReader(f)) == [f"s{i}" for i in range(5)]
+    assert not (out / "summary.json").exists()
+    assert run(tiny_ckpt, prompts, out, "--shard", "2/2").exit_code == 2

@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from cosmos3_batch.requests import parse_lines
-from cosmos3_batch.schedule import assign, predicted_cost, vision_tokens
+from cosmos3_batch.schedule import assign, in_shard, parse_shard, predicted_cost, vision_tokens
 
 
 def requests(*rows: str):
@@ -54,3 +56,16 @@ def test_more_ranks_than_requests_and_empty():
 def test_schedule_imports_no_torch():
     code = "import cosmos3_batch.schedule, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shards_partition_the_file_and_are_stable():
+    ids = [f"id{i}" for i in range(200)]
+    shards = [[i for i in ids if in_shard(i, k, 3)] for k in range(3)]
+    assert sorted(i for shard in shards for i in shard) == sorted(ids)
+    assert all(40 < len(s) < 95 for s in shards)  # a hash split: roughly even
+    # Dropping other ids never moves an id to another shard (array tasks can be resubmitted).
+    assert [i for i in ids[::2] if in_shard(i, 1, 3)] == [i for i in shards[1] if i in ids[::2]]
+    assert parse_shard("2/5") == (2, 5)
+    for bad in ("5/5", "-1/2", "1", "a/b", "1/0"):
+        with pytest.raises(ValueError, match="--shard"):
+            parse_shard(bad)
