@@ -110,41 +110,77 @@ def run(
 def plan(
     prompts: Annotated[Path, typer.Argument(help="JSONL file to plan.")],
     nproc: Annotated[int, typer.Option(help="Ranks in the job (GPUs x nodes).")] = 1,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint (configs and headers only are read) for memory and time.")
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes the ranks are spread over.")] = 1,
+    offload: Annotated[str, typer.Option(help="Offload mode to size (as `run --offload`).")] = "allgather",
+    max_active: Annotated[int, typer.Option(help="Requests per rank sharing each layer (as `run`).")] = 4,
+    h2d_gbps: Annotated[
+        float, typer.Option(help="Host->device GB/s per GPU (H100/H200 PCIe Gen5: 50).")
+    ] = 50.0,
+    gather_gbps: Annotated[float, typer.Option(help="AllGather bus GB/s in a node (NVLink: 350).")] = 350.0,
+    inter_node_gbps: Annotated[float, typer.Option(help="Per-GPU GB/s across nodes (400G IB: 45).")] = 45.0,
+    tflops: Annotated[
+        float, typer.Option(help="Achievable dense bf16 TFLOP/s per GPU (H100/H200: 600).")
+    ] = 600.0,
+    device_gib: Annotated[float, typer.Option(help="Device memory per GPU (H100: 80, H200: 141).")] = 80.0,
+    host_gib: Annotated[float, typer.Option(help="Host memory per node.")] = 2000.0,
     shard: Annotated[
         str | None, typer.Option(help="INDEX/COUNT: plan only this slice, as `run --shard`.")
     ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Validate PROMPTS without loading any weights and show which rank gets which request."""
+    """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
 
-    from cosmos3_batch.requests import RequestFileError, load_requests
-    from cosmos3_batch.schedule import assign, describe, in_shard, parse_shard, predicted_cost
+    from cosmos3_batch import planner
+    from cosmos3_batch.schedule import assign, describe, in_shard, parse_shard
 
     try:
-        if nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {nproc}")
-        requests, _ = load_requests(str(prompts))
+        if nproc < 1 or nnodes < 1 or nproc % nnodes:
+            raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
+        mode = _offload_mode(offload)
+        requests, checkpoint = _plan_requests(prompts, model)
         if shard is not None:
             index, count = parse_shard(shard)
             requests = [r for r in requests if in_shard(r.id, index, count)]
-    except (RequestFileError, ValueError) as exc:
+    except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     assignment = assign(requests, nproc)
-    if json_out:
-        ranks = [
+    doc: dict = {
+        "requests": len(requests),
+        "ranks": [
             {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
             for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
-        ]
-        doc = {"requests": len(requests), "ranks": ranks, "predicted_idle_share": assignment.idle_share}
-        doc["total_work"] = sum(predicted_cost(r) for r in requests)
-        typer.echo(json.dumps(doc, indent=2))
-    else:
-        typer.echo(
-            f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"
-        )
-        typer.echo(describe(assignment))
+        ],
+        "predicted_idle_share": assignment.idle_share,
+        "total_work": sum(assignment.costs),
+    }
+    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
+    text.append(describe(assignment))
+    if checkpoint is not None:
+        import torch
+
+        hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
+        shape = planner.model_shape(checkpoint, nproc, torch.bfloat16)
+        tokens = planner.prompt_tokens(checkpoint, requests)
+        est = planner.estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
+        doc["estimate"] = est.to_dict()
+        text += ["", planner.describe(est)]
+    typer.echo(json.dumps(doc, indent=2) if json_out else "\n".join(text))
+
+
+def _plan_requests(prompts: Path, model: Path | None):
+    from cosmos3_batch.model.loading import Checkpoint
+    from cosmos3_batch.pipeline.job import limits_for
+    from cosmos3_batch.requests import load_requests
+
+    if model is None:
+        return load_requests(str(prompts))[0], None
+    checkpoint = Checkpoint.open(model)
+    return load_requests(str(prompts), limits_for(checkpoint, 1 << 62))[0], checkpoint
 
 
 @app.command("make-tiny")

@@ -1,0 +1,290 @@
+"""Sizing a job before submitting it: memory per rank, bytes per pass and a throughput roofline.
+
+Reads config.json and safetensors headers only (no weights). Memory figures follow the engine's own
+layout rules (engine/layout.py), so "device slot" here is the exact slot the engine will allocate.
+The roofline: every pass walks the GEN parts; a part costs max(compute, fetch) because fetch k+1
+overlaps compute k; compute is 2 x params x tokens plus attention; fetch is the H2D copy of a
+rank's shard plus the AllGather of the rest.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cosmos3_batch.engine.host import CheckpointFileError
+from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
+from cosmos3_batch.engine.transport import OffloadMode
+from cosmos3_batch.model.cosmos3 import GEN, layer_parts
+from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from cosmos3_batch.requests import Request
+from cosmos3_batch.schedule import assign, vision_tokens
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU figures. Defaults: an H100/H200 SXM node (PCIe Gen5 host links, NVLink, 400G IB)."""
+
+    h2d_gbps: float = 50.0  # achievable pinned host->device per GPU
+    gather_gbps: float = 350.0  # AllGather bus bandwidth inside a node (NVLink)
+    inter_node_gbps: float = 45.0  # per GPU across nodes
+    tflops: float = 600.0  # achievable dense bf16 (H100 SXM peak 989, H200 the same)
+    device_gib: float = 80.0  # H100 80 GB; H200: 141
+    host_gib_per_node: float = 2000.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    act_bytes: int  # bytes per activation element (the weights' dtype)
+    parts: tuple[PartLayout, ...]  # at the job's world size
+    host_resident_bytes: int  # embed_tokens: looked up on the host
+    device_resident_bytes: int  # every other non-layer weight (lm_head excluded: never read)
+    vae_bytes: int
+
+
+def model_shape(checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.dtype) -> ModelShape:
+    """From config.json, with each tensor's dtype from the safetensors headers when the files exist."""
+    cfg = checkpoint.config("transformer")
+    model = build_transformer_on_meta(cfg)
+    try:
+        store = checkpoint.store("transformer")
+        dtype_of = lambda name: store.info(name)[0]  # noqa: E731
+    except (ValueError, CheckpointFileError):
+        dtype_of = lambda name: fallback_dtype  # noqa: E731 (a config-only folder: plan a download)
+    parts = tuple(
+        build_part_layout(
+            key,
+            [ParamSpec(name, dtype_of(name), tuple(getattr(m, leaf).shape)) for m, leaf, name in params],
+            world_size,
+        )
+        for key, params in layer_parts(model.layers)
+    )
+    resident = {n: p for n, p in model.named_parameters() if not n.startswith("layers.")}
+    nbytes = {n: p.numel() * dtype_of(n).itemsize for n, p in resident.items()}
+    host = sum(v for n, v in nbytes.items() if n.startswith("embed_tokens."))
+    vae_params = _vae_param_count(checkpoint)
+    return ModelShape(
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        intermediate=cfg["intermediate_size"],
+        heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        act_bytes=dtype_of("layers.0.mlp.up_proj.weight").itemsize,
+        parts=parts,
+        host_resident_bytes=host,
+        device_resident_bytes=sum(nbytes.values()) - host,
+        vae_bytes=vae_params * 4,
+    )
+
+
+def _vae_param_count(checkpoint: Checkpoint) -> int:
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(checkpoint.config("vae"))
+    return sum(p.numel() for p in vae.parameters())
+
+
+def _activation_bytes(shape: ModelShape, active: list[tuple[int, int, int]]) -> int:
+    """(branches, und tokens, gen tokens) per active request -> bytes kept + the largest transient."""
+    kv = shape.kv_heads * shape.head_dim
+    kept, transient = 0, 0
+    for branches, und, gen in active:
+        und_cache = shape.layers * und * kv * 2  # K and V per layer, kept for the request's life
+        kept += branches * (und_cache + gen * shape.hidden) * shape.act_bytes
+        mlp = gen * shape.intermediate * 3  # gate, up, and their product
+        qkv = gen * (shape.heads * shape.head_dim + 2 * kv)
+        attn = qkv + (und + gen) * 2 * kv  # plus the UND+GEN keys/values concatenated for attention
+        transient = max(transient, (mlp + attn + 2 * gen * shape.hidden) * shape.act_bytes)
+    return kept + transient
+
+
+@dataclass
+class Estimate:
+    world_size: int
+    nnodes: int
+    mode: str
+    max_active: int
+    slot_bytes: int  # one fetch slot on the device (the engine allocates two)
+    layer_bytes: int  # all layer parts, padded
+    host_private_bytes_per_rank: int
+    page_cache_bytes_per_node: int  # must stay cached (local mode); other modes read the files once
+    device_bytes_per_rank: int
+    activation_bytes_per_rank: int
+    bytes_h2d_per_pass: int
+    bytes_gathered_per_pass: int
+    seconds_per_pass: float
+    outputs_per_hour: float
+    job_hours: float
+    idle_share: float
+    warnings: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate(
+    shape: ModelShape,
+    requests: list[Request],
+    und_tokens: dict[str, int],
+    world_size: int,
+    nnodes: int,
+    mode: OffloadMode,
+    max_active: int,
+    hw: Hardware,
+) -> Estimate:
+    gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
+    layer_bytes = sum(p.nbytes for p in shape.parts)
+    shards = sum(p.shard_bytes for p in shape.parts)
+    slot = max(p.nbytes for p in shape.parts)
+    per_node = max(1, world_size // nnodes)
+    # A typical pass: K copies of the median request (by vision tokens) on every rank.
+    typical = sorted(requests, key=vision_tokens)[len(requests) // 2] if requests else None
+    branches = 1 if typical is None or typical.guidance_scale == 1.0 else 2
+    gen_tokens = vision_tokens(typical) if typical else 0
+    und = int(statistics.median(und_tokens.values())) if und_tokens else 0
+    active = [(branches, und, gen_tokens)] * (max_active if typical else 0)
+    activations = _activation_bytes(shape, active)
+    h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
+    sequences = branches * max_active if typical else 0
+    pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_tokens, und))
+    host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
+    device = shape.device_resident_bytes + shape.vae_bytes + activations
+    device += layer_bytes if mode is OffloadMode.RESIDENT else 2 * slot
+    device += shards if mode is OffloadMode.SHARDED else 0
+    assignment = assign(requests, world_size)
+    token_steps_per_s = (branches * max_active * gen_tokens / pass_s) if pass_s > 0 else 0.0
+    busiest = max(assignment.costs, default=0.0)
+    job_hours = busiest / token_steps_per_s / 3600 if token_steps_per_s else 0.0
+    steps = typical.num_inference_steps if typical else 1
+    outputs_per_hour = world_size * max_active * 3600 / (steps * pass_s) if pass_s > 0 else 0.0
+    est = Estimate(
+        world_size, nnodes, mode.value, max_active, slot, layer_bytes, host_private,
+        layer_bytes if mode is OffloadMode.LOCAL else 0,
+        device, activations, h2d, gathered, pass_s, outputs_per_hour, job_hours, assignment.idle_share, [],
+    )  # fmt: skip
+    est.warnings = _warnings(est, per_node, hw)
+    return est
+
+
+def _bytes_per_pass(gen_parts: list[PartLayout], mode: OffloadMode, world: int) -> tuple[int, int]:
+    shard = sum(p.shard_bytes for p in gen_parts)
+    full = sum(p.nbytes for p in gen_parts)
+    gathered = full - shard if world > 1 else 0
+    return {
+        OffloadMode.ALLGATHER: (shard, gathered),
+        OffloadMode.LOCAL: (sum(p.payload_bytes for p in gen_parts), 0),
+        OffloadMode.SHARDED: (0, gathered),
+        OffloadMode.RESIDENT: (0, 0),
+    }[mode]
+
+
+def _seconds_per_pass(
+    shape: ModelShape,
+    gen_parts: list[PartLayout],
+    mode: OffloadMode,
+    job: tuple[int, int],
+    hw: Hardware,
+    work: tuple[int, int, int],
+) -> float:
+    """job = (world size, nodes); work = (sequences per rank, GEN tokens each, UND tokens each)."""
+    (world, nnodes), (sequences, gen, und) = job, work
+    gather_bw = hw.gather_gbps if nnodes == 1 else min(hw.gather_gbps, hw.inter_node_gbps)
+    # Per sequence: QK^T and PV over UND+GEN keys, 2 FLOPs per multiply-add each.
+    attn_flops = sequences * 4 * gen * (gen + und) * shape.heads * shape.head_dim
+    total = 0.0
+    for part in gen_parts:
+        params = part.payload_bytes / shape.act_bytes
+        compute = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12)
+        h2d, gathered = _bytes_per_pass([part], mode, world)
+        fetch = h2d / (hw.h2d_gbps * GB) + gathered / (gather_bw * GB)
+        total += max(compute, fetch)
+    return total
+
+
+def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
+    notes = []
+    if est.device_bytes_per_rank > hw.device_gib * 2**30:
+        notes.append(
+            f"device memory {est.device_bytes_per_rank / 2**30:.1f} GiB > --device-gib {hw.device_gib:g}: "
+            "lower --max-active, or use --offload allgather (resident/sharded keep weights on the device)"
+        )
+    host_node = est.host_private_bytes_per_rank * per_node + est.page_cache_bytes_per_node
+    if host_node > hw.host_gib_per_node * 2**30:
+        notes.append(
+            f"host memory {host_node / 2**30:.1f} GiB per node > --host-gib {hw.host_gib_per_node:g}: "
+            "use more nodes (--nnodes) so each rank keeps a smaller shard"
+        )
+    if est.idle_share > 0.25:
+        notes.append(f"predicted idle share {est.idle_share:.0%}: fewer ranks, or more requests per rank")
+    return notes
+
+
+def prompt_tokens(checkpoint: Checkpoint, requests: list[Request]) -> dict[str, int]:
+    """Cond-branch UND length of each request, templated exactly as generation will do it."""
+    from cosmos3_batch.pipeline.context import build_helper, load_tokenizer
+
+    helper = build_helper(checkpoint, load_tokenizer(checkpoint))
+    tokens = {}
+    for r in requests:
+        cond, _ = helper.tokenize_prompt(
+            r.prompt,
+            r.negative_prompt,
+            num_frames=r.num_frames,
+            height=r.height,
+            width=r.width,
+            fps=r.fps,
+            add_resolution_template=r.use_resolution_template,
+            add_duration_template=r.use_duration_template,
+        )
+        tokens[r.id] = len(cond)
+    return tokens
+
+
+def describe(est: Estimate) -> str:
+    rows = [
+        (
+            "ranks x nodes",
+            f"{est.world_size} x {est.nnodes}  (--offload {est.mode}, --max-active {est.max_active})",
+        ),
+        ("layer weights (padded)", _size(est.layer_bytes)),
+        ("host private per rank", f"{_size(est.host_private_bytes_per_rank)} (shards + embeddings)"),
+        ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
+        (
+            "device per rank",
+            f"{_size(est.device_bytes_per_rank)} (2 slots of {_size(est.slot_bytes)})",
+        ),
+        (
+            "  of which activations",
+            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active",
+        ),
+        (
+            "per pass per rank",
+            f"{_size(est.bytes_h2d_per_pass)} H2D, {_size(est.bytes_gathered_per_pass)} gathered",
+        ),
+        ("seconds per pass", f"{est.seconds_per_pass:.3f} (roofline)"),
+        ("outputs per hour", f"{est.outputs_per_hour:,.1f} (whole job, typical request)"),
+        ("job time", f"{est.job_hours:.2f} h (busiest rank), idle share {est.idle_share:.1%}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"WARNING: {w}" for w in est.warnings]
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -1,0 +1,101 @@
+"""`plan` sizing: hand-computed figures for a Nano-shaped config, and the engine's real slot size."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cosmos3_batch import planner
+from cosmos3_batch.dist import World
+from cosmos3_batch.engine.transport import OffloadMode
+from cosmos3_batch.model.loading import Checkpoint
+from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.weights import build_weights
+from cosmos3_batch.requests import parse_lines
+
+NANO = {
+    "_class_name": "Cosmos3OmniTransformer",
+    "hidden_size": 4096,
+    "head_dim": 128,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "vocab_size": 151936,
+    "latent_channel": 48,
+    "patch_latent_dim": 192,
+}
+
+
+@pytest.fixture
+def nano_config_only(tmp_path, tiny_ckpt):
+    """A checkpoint folder with Nano's transformer config and no weights: planning before a download."""
+    root = tmp_path / "nano"
+    shutil.copytree(tiny_ckpt, root, ignore=shutil.ignore_patterns("*.safetensors"))
+    (root / "transformer" / "config.json").write_text(json.dumps(NANO))
+    return Checkpoint.open(root)
+
+
+def test_nano_figures_by_hand(nano_config_only):
+    shape = planner.model_shape(nano_config_only, world_size=8, fallback_dtype=torch.bfloat16)
+    # One half-layer (UND or GEN): q 4096x4096, k and v 4096x1024, o 4096x4096, q/k norms 128 each,
+    # MLP gate/up/down 3 x 4096x12288, two 4096 layernorms.
+    params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
+    assert params == 192_946_432
+    padded = -(-params * 2 // (8 * 256)) * (8 * 256)  # bf16 bytes, padded to world x ALIGN
+    assert padded == 385_894_400
+    assert [p.nbytes for p in shape.parts] == [padded] * 72
+    assert shape.host_resident_bytes == 151936 * 4096 * 2  # embed_tokens, looked up on the host
+    # proj_in, proj_out, time_embedder (two linears), the two final norms; lm_head is never read.
+    device_params = (
+        (192 * 4096 + 4096) + (4096 * 192 + 192) + (256 * 4096 + 4096 + 4096 * 4096 + 4096) + 2 * 4096
+    )
+    assert shape.device_resident_bytes == device_params * 2
+
+    (request,), errors = parse_lines([b'{"id": "v", "prompt": "x", "size": "1280x720", "num_frames": 189}'])
+    assert errors == []
+    hw = planner.Hardware()
+    est = planner.estimate(shape, [request], {"v": 300}, 8, 1, OffloadMode.ALLGATHER, 1, hw)
+    shard = padded // 8
+    assert est.slot_bytes == padded and est.layer_bytes == 72 * padded
+    assert est.host_private_bytes_per_rank == 72 * shard + 151936 * 4096 * 2
+    assert est.bytes_h2d_per_pass == 36 * shard
+    assert est.bytes_gathered_per_pass == 36 * (padded - shard)
+    gen = 48 * 23 * 40  # latent frames (188/4+1) x ceil(720/32) x 1280/32
+    assert gen == 44_160
+    kept = 2 * (36 * 300 * 1024 * 2 + gen * 4096) * 2  # two branches: UND K/V cache + GEN stream
+    transient = (gen * 12288 * 3 + gen * (4096 + 2048) + (300 + gen) * 2048 + 2 * gen * 4096) * 2
+    assert est.activation_bytes_per_rank == kept + transient
+    compute = (2 * params * 2 * gen + 2 * 4 * gen * (gen + 300) * 32 * 128) / 600e12
+    fetch = shard / 50e9 + (padded - shard) / 350e9
+    assert est.seconds_per_pass == pytest.approx(36 * max(compute, fetch), rel=1e-12)
+    assert compute > fetch  # at 720p one request already hides the transfer on an H100 node
+    assert est.outputs_per_hour == pytest.approx(8 * 3600 / (35 * est.seconds_per_pass))
+    assert est.idle_share == 7 / 8  # one request on eight ranks, and the plan says so
+    assert [w.split(":")[0] for w in est.warnings] == ["predicted idle share 88%"]
+
+
+def test_warns_when_it_cannot_fit(nano_config_only):  # and says which flag to change
+    shape = planner.model_shape(nano_config_only, world_size=1, fallback_dtype=torch.bfloat16)
+    (request,), _ = parse_lines([b'{"id": "v", "prompt": "x", "size": "1280x720", "num_frames": 189}'])
+    small = planner.Hardware(device_gib=24)  # Nano's 28 GB of layers cannot sit on a 24 GB card
+    est = planner.estimate(shape, [request], {"v": 300}, 1, 1, OffloadMode.RESIDENT, 1, small)
+    assert any("--device-gib" in w and "--offload allgather" in w for w in est.warnings)
+
+
+def test_slot_size_equals_the_engines(tiny_ckpt):
+    ckpt = Checkpoint.open(tiny_ckpt)
+    ctx = load_context(tiny_ckpt, torch.device("cpu"), with_layers=False)
+    weights = build_weights(ctx.layers, ckpt, OffloadMode.ALLGATHER, World())
+    shape = planner.model_shape(ckpt, world_size=1, fallback_dtype=torch.bfloat16)
+    (request,), _ = parse_lines([b'{"id": "i", "prompt": "x", "num_frames": 1, "size": "32x32"}'])
+    est = planner.estimate(shape, [request], {"i": 100}, 1, 1, OffloadMode.ALLGATHER, 1, planner.Hardware())
+    assert [s.numel() for s in weights.engine.slots] == [est.slot_bytes] * 2
+    assert (
+        weights.engine.backend.source.host.arena.numel()
+        == est.host_private_bytes_per_rank - shape.host_resident_bytes
+    )
+    weights.close()
