@@ -292,8 +292,10 @@ def check_image(out: LineErrors, obj: JsonObject, base_dir: str | None, num_fram
         out.add("image", f"image file not found: {path}")
         return None
     try:
+        # A full decode: verify() reads only the headers, so a JPEG cut off in its scan data would pass
+        # here and fail after the weights are loaded.
         with Image.open(path) as image:
-            image.verify()
+            image.load()
     except Exception as exc:  # PIL reports bad files with many types (OSError, SyntaxError, struct.error...)
         out.add("image", f"{path} is not a readable image ({type(exc).__name__}: {_show(str(exc))})")
     return path

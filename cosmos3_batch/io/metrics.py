@@ -40,8 +40,12 @@ class MetricsWriter:
     def __init__(self, out_dir: Path, rank: int, tag: str = ""):
         # One part file per writer: ranks, and array tasks sharing --out, never append to the same file.
         self.path = out_dir / f".metrics.{tag + '-' if tag else ''}rank{rank}.csv"
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        self._file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open for the whole run)
+        # Our own hidden file: a symlink planted at its name is replaced, never appended through.
+        if self.path.is_symlink():
+            self.path.unlink()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        new = os.fstat(fd).st_size == 0
+        self._file = os.fdopen(fd, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="raise")
         if new:
             self._writer.writeheader()

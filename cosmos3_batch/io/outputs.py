@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +39,15 @@ def check_writable(out_dir: Path) -> None:
     """Fail before any weight is loaded if --out cannot take files."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        # mkstemp creates a new file (O_EXCL): a planted symlink is never followed.
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out_dir)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
         raise ValueError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from exc
 
 
-_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.tmp(?P<suffix>\.[^.]+)$")
+_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp\.[^.]+$")
 
 
 def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
@@ -61,8 +63,16 @@ def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> int:
-    """Let `write` fill a temporary sibling, fsync it, rename it over `path`; return the final size."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    """Let `write` fill a temporary sibling, fsync it, rename it over `path`; return the final size.
+
+    The temporary is created fresh and exclusive (mkstemp), so nothing planted at a predictable name,
+    a symlink included, is ever written through; the rename replaces `path` itself, never its target.
+    """
+    fd, name = tempfile.mkstemp(
+        prefix=f".{path.stem}.{os.getpid()}.", suffix=f".tmp{path.suffix}", dir=path.parent
+    )
+    os.close(fd)
+    tmp = Path(name)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -138,8 +148,16 @@ def is_complete(paths: OutputPaths, content_hash: str) -> tuple[bool, str]:
         return False, "sidecar not complete"
     if sidecar.get("request_hash") != content_hash:
         return False, "request changed since it was generated"
-    for entry in sidecar.get("files", {}).values():
+    files = sidecar.get("files")
+    # Only our own file names count, each inside --out with the size the sidecar recorded; anything
+    # else (no media entry, a path, a malformed entry) means "not complete", never a crash.
+    expected = {"media": paths.media.name, "latents": paths.latents.name}
+    if not isinstance(files, dict) or "media" not in files:
+        return False, "sidecar lists no media file"
+    for key, entry in files.items():
+        if not isinstance(entry, dict) or entry.get("name") != expected.get(key):
+            return False, f"sidecar entry {key!r} is not one of this request's files"
         file = paths.sidecar.parent / entry["name"]
-        if not file.is_file() or file.stat().st_size != entry["bytes"]:
+        if not file.is_file() or file.stat().st_size != entry.get("bytes"):
             return False, f"{entry['name']} missing or of the wrong size"
     return True, ""

@@ -52,6 +52,7 @@ class RequestJob:
         self.tokens = 0
         self.weight_bytes = 0.0  # this request's share of the weight traffic of the passes it rode on
         self.stall_s = 0.0
+        self.error: str | None = None  # set when a layer's compute failed for this request mid-pass
         self._started = time.perf_counter()
 
     @property

@@ -92,22 +92,23 @@ def plan_run(cfg: RunConfig) -> Plan:
     try:
         checkpoint = Checkpoint.open(model_dir)
         validate_checkpoint(checkpoint)
+        # Collect the file's problems and the token-count problems, then report them all at once.
         requests, invalid = load_requests(
-            str(cfg.prompts), limits_for(checkpoint, cfg.max_vision_tokens), cfg.skip_invalid
+            str(cfg.prompts), limits_for(checkpoint, cfg.max_vision_tokens), skip_invalid=True
         )
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
-    outputs.check_writable(cfg.out)
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
     errors = token_errors(requests, helper, int(getattr(tokenizer, "model_max_length", 1 << 30)))
-    if errors and not cfg.skip_invalid:
-        raise BadInput(str(RequestFileError(str(cfg.prompts), errors)))
+    invalid = sorted(invalid + errors, key=lambda e: e.line)
+    if invalid and not cfg.skip_invalid:
+        raise BadInput(str(RequestFileError(str(cfg.prompts), invalid)))
+    outputs.check_writable(cfg.out)  # after the file checks: a bad file leaves no --out folder behind
+    bad_lines = {e.line for e in errors}
+    requests = [r for r in requests if r.line not in bad_lines]
     if cfg.shard is not None:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
-    bad_lines = {e.line for e in errors}
-    invalid = sorted(invalid + errors, key=lambda e: e.line)
-    requests = [r for r in requests if r.line not in bad_lines]
     todo, complete = [], []
     for r in requests:
         done, why = outputs.is_complete(outputs.paths_for(cfg.out, r.id, r.num_frames), r.content_hash())

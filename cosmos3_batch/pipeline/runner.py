@@ -141,27 +141,38 @@ class PassRunner:
 
     def _pass(self, active: list[RequestJob], und_flag: bool) -> None:
         split, weights = self.ctx.split, self.weights
-        last = split.num_layers - 1
-        und = [b for job in active for b in job.branches if b.needs_und]
-        gen = [b for job in active for b in job.branches]
         started = time.perf_counter()
         weights.begin_pass(und_flag)
         for index in range(split.num_layers):
             if und_flag:
                 self.sync.note(f"part:{index}.{UND}")
-                layer = weights.layer(index, UND)
-                for branch in und:
-                    split.und_layer(layer, branch, is_last=index == last)
-                self.und_runs += len(und)
+                self._apply(active, weights.layer(index, UND), index, UND)
             self.sync.note(f"part:{index}.{GEN}")
-            layer = weights.layer(index, GEN)
-            for branch in gen:
-                split.gen_layer(layer, branch, index)
+            self._apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
         self.pass_s += time.perf_counter() - started
         self._account(active, counters)
         self.passes += 1
         self.und_passes += und_flag
+
+    def _apply(self, active: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
+        """One layer part over every wanted branch. A request whose compute fails (e.g. out of memory on its
+        largest activation) is marked failed and skipped; the rank keeps walking the layers with the others,
+        so its collectives stay aligned."""
+        split = self.ctx.split
+        is_last = index == split.num_layers - 1
+        for job in active:
+            if job.error is not None:
+                continue
+            try:
+                for branch in job.branches:
+                    if part == GEN:
+                        split.gen_layer(layer, branch, index)
+                    elif branch.needs_und:
+                        split.und_layer(layer, branch, is_last)
+                        self.und_runs += 1
+            except Exception as exc:
+                job.error = _describe(exc)
 
     def _account(self, active: list[RequestJob], counters: Counters) -> None:
         for name in ("h2d_bytes", "gathered_bytes", "stall_s", "collective_s", "fetches"):
@@ -174,6 +185,9 @@ class PassRunner:
     def _finish(self, active: list[RequestJob]) -> list[RequestJob]:
         still = []
         for job in active:
+            if job.error is not None:
+                self._report(job, None, job.error)
+                continue
             try:
                 job.finish_step()
                 if not job.done:

@@ -136,3 +136,26 @@ def test_und_cache_changes_nothing(tiny_ckpt, requests_, reference):
         assert torch.equal(results[rid].latents, ref_latents), rid
     branch_steps = sum((1 if r.guidance_scale == 1.0 else 2) * r.num_inference_steps for r in requests_)
     assert runner.und_runs == branch_steps * 2
+
+
+def test_a_request_failing_mid_pass_spares_the_others(tiny_ckpt, requests_, reference, monkeypatch):
+    ctx = load_context(tiny_ckpt, torch.device("cpu"))
+    real = ctx.split.gen_layer
+    t2i_tokens = 1  # the 32x32 image is the only request with a single GEN token (1 frame x 1 x 1 cells)
+
+    def flaky(layer, branch, index):
+        if branch.gen_hidden.shape[0] == t2i_tokens and index == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        real(layer, branch, index)
+
+    monkeypatch.setattr(ctx.split, "gen_layer", flaky)
+    results, errors = {}, {}
+
+    def on_finished(job, result, error):
+        (results if error is None else errors)[job.request.id] = result if error is None else error
+
+    PassRunner(ctx, ResidentWeights(ctx.layers), 3, on_finished).run(requests_)
+    assert errors == {"t2i": "RuntimeError: CUDA out of memory (simulated)"}
+    for rid, (ref_latents, _) in reference.items():
+        if rid != "t2i":
+            assert torch.equal(results[rid].latents, ref_latents), rid

@@ -1,0 +1,340 @@
+"""Hostile request files and --out folders through the real `run`: exit 2, every problem named with its
+line and field, nothing written, and no weight loaded (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _pytest.mark import ParameterSet
+from PIL import Image
+from typer.testing import CliRunner
+
+from cosmos3_batch.cli import app
+from cosmos3_batch.pipeline import job
+
+VALID = {"id": "ok", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
+VIDEO = {"prompt": "a cat", "num_frames": 9, "size": "32x32", "num_inference_steps": 1}
+
+
+@pytest.fixture(autouse=True)
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail("got past planning (collective or weight loading) on input that should stop it")
+
+    monkeypatch.setattr(job, "load_context", refuse)
+    monkeypatch.setattr(job, "build_weights", refuse)
+    monkeypatch.setattr(job, "_check_same_plan", refuse)  # the first collective after planning
+
+
+def jsonl(*rows: dict | str | bytes) -> bytes:
+    """One line per row: dicts as JSON, str/bytes verbatim (for what json.dumps cannot produce)."""
+    lines = [
+        json.dumps(r).encode() if isinstance(r, dict) else r if isinstance(r, bytes) else r.encode()
+        for r in rows
+    ]
+    return b"".join(line + b"\n" for line in lines)
+
+
+def case(
+    content: bytes,
+    *expected: str,
+    args: tuple[str, ...] = (),
+    absent: tuple[str, ...] = (),
+    id: str,
+) -> ParameterSet:
+    return pytest.param(content, expected, args, absent, id=id)
+
+
+def bad(row: dict | str | bytes, field: str | None, message: str, *more: str, **kw: Any) -> ParameterSet:
+    """Line 1 valid, line 2 `row`: the output must say "line 2, field '<field>': <message>" (and `more`)."""
+    where = f"line 2, field '{field}'" if field else "line 2"
+    return case(jsonl(VALID, row), f"{where}: {message}", *more, **kw)
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def _image(fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray((np.random.RandomState(0).rand(40, 56, 3) * 255).astype(np.uint8)).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+LONG = "a" * 5000  # the tiny byte-level tokenizer: one token per byte, model_max_length 4096
+OVER_MODEL = "exceed the limit of 4096 (the model)"
+
+CASES = [
+    # Not JSON, or not one object per line.
+    bad('{"prompt": "x",', None, "not valid JSON", id="json-unterminated"),
+    bad('{"prompt": "x"} trailing', None, "not valid JSON", id="json-trailing-garbage"),
+    bad('["prompt", "x"]', None, "each line must be a JSON object, got an array", id="json-array"),
+    bad('"just a string"', None, "each line must be a JSON object", id="json-string"),
+    bad("{" * 100_000, None, "not valid JSON", id="json-nested-too-deep"),
+    # Wrong types.
+    bad({"prompt": 5}, "prompt", "must be a string, got 5", id="type-prompt-int"),
+    bad({**VIDEO, "num_frames": "9"}, "num_frames", "must be an integer", id="type-frames-str"),
+    bad(
+        {**VIDEO, "num_inference_steps": 3.0},
+        "num_inference_steps",
+        "must be an integer",
+        id="type-steps-float",
+    ),
+    bad({"prompt": "x", "size": 512}, "size", 'must be "WIDTHxHEIGHT"', id="type-size-int"),
+    bad({"prompt": "x", "size": "32X32"}, "size", 'must be "WIDTHxHEIGHT"', id="type-size-uppercase-x"),
+    bad(
+        {"prompt": "x", "negative_prompt": ["a"]},
+        "negative_prompt",
+        "must be a string",
+        id="type-negative-list",
+    ),
+    bad({"prompt": "x", "extra_params": [1]}, "extra_params", "must be an object", id="type-extra-list"),
+    bad({"prompt": "x", "image": 3}, "image", "must be a string, got 3", id="type-image-int"),
+    bad({"prompt": "x", "id": 7}, "id", "must be a string, got 7", id="type-id-int"),
+    # Booleans where numbers belong (bool is an int in Python).
+    bad({"prompt": "x", "seed": True}, "seed", "must be an integer, got a boolean (true)", id="bool-seed"),
+    bad(
+        {"prompt": "x", "guidance_scale": False},
+        "guidance_scale",
+        "must be a number, got a boolean",
+        id="bool-cfg",
+    ),
+    bad(
+        {"prompt": "x", "num_frames": True},
+        "num_frames",
+        "must be an integer, got a boolean",
+        id="bool-frames",
+    ),
+    bad(
+        {"prompt": "x", "width": True, "height": 32},
+        "width",
+        "must be an integer, got a boolean",
+        id="bool-width",
+    ),
+    bad(
+        {"prompt": "x", "extra_params": {"use_resolution_template": 1}},
+        "extra_params.use_resolution_template",
+        "must be true or false, got 1",
+        id="number-for-bool",
+    ),
+    # Non-finite numbers.
+    bad('{"prompt": "x", "guidance_scale": NaN}', "guidance_scale", "must be a number, got NaN", id="nan"),
+    bad('{"prompt": "x", "fps": Infinity}', "fps", "must be a number, got Infinity", id="inf"),
+    bad(
+        '{"prompt": "x", "flow_shift": -Infinity}', "flow_shift", "must be a number, got -Infinity", id="-inf"
+    ),
+    bad('{"prompt": "x", "guidance_scale": 1e999}', "guidance_scale", "must be finite, got inf", id="1e999"),
+    bad('{"prompt": "x", "seed": 1e999}', "seed", "must be an integer, got inf", id="1e999-seed"),
+    bad('{"prompt": "x", "seed": 1' + "0" * 5000 + "}", None, "not valid JSON: a number has", id="huge-int"),
+    # Unknown and repeated keys.
+    bad({"prompt": "x", "promt": "y"}, "promt", "unknown key 'promt'", "did you mean", id="unknown-key"),
+    bad(
+        {"prompt": "x", "extra_params": {"tiles": 1}}, "extra_params.tiles", "unknown key", id="unknown-extra"
+    ),
+    bad('{"prompt": "x", "seed": 1, "seed": 2}', "seed", "key appears more than once", id="repeated-key"),
+    # Ids.
+    bad({**VIDEO, "id": "ok"}, "id", "duplicate id 'ok': already used on line 1", id="id-duplicate"),
+    case(
+        jsonl({**VALID, "id": None}, {"prompt": "x", "id": "line000001"}),
+        "line 2, field 'id': duplicate id 'line000001': already used on line 1",
+        id="id-duplicate-derived",
+    ),
+    bad({"prompt": "x", "id": "a/b"}, "id", "'a/b' is not a safe file name", id="id-slash"),
+    bad(
+        {"prompt": "x", "id": "/etc/passwd"}, "id", "'/etc/passwd' is not a safe file name", id="id-absolute"
+    ),
+    bad({"prompt": "x", "id": "a\\b"}, "id", "'a\\\\b' is not a safe file name", id="id-backslash"),
+    bad({"prompt": "x", "id": ".."}, "id", "'..' is not a safe file name", id="id-dotdot"),
+    bad({"prompt": "x", "id": "a..b"}, "id", "'a..b' is not a safe file name", id="id-inner-dotdot"),
+    bad({"prompt": "x", "id": "../x"}, "id", "'../x' is not a safe file name", id="id-parent"),
+    bad({"prompt": "x", "id": "a\u0000b"}, "id", "'a\\x00b' is not a safe file name", id="id-nul"),
+    bad({"prompt": "x", "id": ".hidden"}, "id", "'.hidden' is not a safe file name", id="id-leading-dot"),
+    bad({"prompt": "x", "id": ""}, "id", "'' is not a safe file name", id="id-empty"),
+    bad({"prompt": "x", "id": "x" * 129}, "id", "'xxx", "is not a safe file name", id="id-too-long"),
+    bad({"prompt": "x", "id": "Summary"}, "id", "'Summary' is reserved", id="id-reserved"),
+    # Prompts.
+    bad({"prompt": ""}, "prompt", "must not be empty", id="prompt-empty"),
+    bad({"prompt": " \t "}, "prompt", "must not be empty", id="prompt-whitespace"),
+    bad({"seed": 1}, "prompt", "missing", id="prompt-missing"),
+    bad({"prompt": None}, "prompt", "missing", id="prompt-null"),
+    bad('{"prompt": "\\ud800"}', "prompt", "contains an unpaired surrogate", id="prompt-lone-surrogate"),
+    bad({**VALID, "id": "long", "prompt": LONG}, "prompt", "", OVER_MODEL, id="prompt-over-token-limit"),
+    bad(
+        {**VALID, "id": "long", "negative_prompt": LONG},
+        "negative_prompt",
+        "",
+        OVER_MODEL,
+        id="negative-over-limit",
+    ),
+    # Sizes and frame counts beyond the bounds.
+    bad(
+        {"prompt": "x", "size": "4096x4096", "num_frames": 17},
+        "num_frames",
+        "4096x4096 x 17 frames is 81,920 vision tokens, over the per-request bound of 65,536",
+        id="bound-size",
+    ),
+    bad(
+        {"prompt": "x", "size": "1280x720", "num_frames": 289},
+        "num_frames",
+        "1280x720 x 289 frames is 67,160 vision tokens, over the per-request bound of 65,536",
+        id="bound-frames",
+    ),
+    bad(
+        {"prompt": "x", "num_frames": 1, "size": "256x256"},
+        "size",
+        "256x256 x 1 frames is 64 vision tokens, over the per-request bound of 16",
+        args=("--max-vision-tokens", "16"),
+        id="bound-lowered",
+    ),
+    case(  # the same request as bound-size passes with a raised bound; line 3 still stops the job
+        jsonl(VALID, {"prompt": "x", "size": "4096x4096", "num_frames": 17}, {"prompt": "x", "seed": True}),
+        "line 3, field 'seed'",
+        args=("--max-vision-tokens", "100000"),
+        absent=("vision tokens", "line 2"),
+        id="bound-raised-accepts",
+    ),
+    bad(
+        {"prompt": "x", "size": "8192x64", "num_frames": 1},
+        "size",
+        "8192x64: width 8192 exceeds",
+        id="side-max",
+    ),
+    bad(
+        {"prompt": "x", "size": "0x32", "num_frames": 1},
+        "size",
+        "0x32: width must be positive",
+        id="side-zero",
+    ),
+    bad(
+        {"prompt": "x", "size": "50x32", "num_frames": 1},
+        "size",
+        "50x32: width 50 is not a multiple",
+        id="side-odd",
+    ),
+    bad(
+        {"prompt": "x", "num_frames": 2001},
+        "num_frames",
+        "num_frames 2001 exceeds the maximum",
+        id="frames-max",
+    ),
+    bad({"prompt": "x", "num_frames": 0}, "num_frames", "num_frames must be >= 1", id="frames-zero"),
+    bad(
+        {"prompt": "x", "num_frames": 10},
+        "num_frames",
+        "num_frames 10 cannot be represented",
+        id="frames-4k+2",
+    ),
+    bad({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "must be >= 1", id="steps-zero"),
+    bad({"prompt": "x", "seed": -1}, "seed", "must be >= 0", id="seed-negative"),
+    # Bytes that are not UTF-8.
+    bad(b'{"prompt": "caf\xe9"}', None, "not valid UTF-8 (byte 0xe9", id="latin1"),
+    bad(b'{"prompt": "\xff\xfe"}', None, "not valid UTF-8 (byte 0xff", id="invalid-utf8"),
+    # Files with no request at all (so no valid line either).
+    case(b"", "no requests in file", id="empty-file"),
+    case(b"\n   \n\n", "no requests in file", id="blank-lines-only"),
+    case(b"# only a comment\n", "no requests in file", id="comments-only"),
+    # The conditioning image (relative paths resolve next to the JSONL file).
+    bad({**VIDEO, "image": "missing.png"}, "image", "image file not found", id="image-missing"),
+    bad({**VIDEO, "image": "."}, "image", "image file not found", id="image-is-folder"),
+    bad({**VIDEO, "image": ""}, "image", "must be a path to an image file", id="image-empty"),
+    bad({**VIDEO, "image": "text.png"}, "image", "", "is not a readable image", id="image-not-image"),
+    bad({**VIDEO, "image": "half.png"}, "image", "", "is not a readable image", id="image-truncated-png"),
+    bad({**VIDEO, "image": "head.jpg"}, "image", "", "is not a readable image", id="image-jpeg-header-only"),
+    bad(
+        {**VIDEO, "image": "half.jpg"},
+        "image",
+        "",
+        "is not a readable image",
+        id="image-truncated-jpeg",
+    ),
+    bad(
+        {**VIDEO, "num_frames": 1, "image": "good.png"}, "image", "image conditioning needs a video", id="i2i"
+    ),
+    # Several problems: every one is listed, not only the first.
+    case(
+        jsonl(VALID, {"prompt": "", "seed": True}, {"prompt": "x", "id": "a/b"}, "not json"),
+        "line 2, field 'prompt'",
+        "line 2, field 'seed'",
+        "line 3, field 'id'",
+        "line 4: not valid JSON",
+        id="many-problems",
+    ),
+    case(
+        jsonl(VALID, {"prompt": "x", "seed": True}, {**VALID, "id": "long", "prompt": LONG}),
+        "line 2, field 'seed'",
+        "line 3, field 'prompt'",
+        id="many-problems-with-token-limit",
+    ),
+    # Safety models an offline job does not have.
+    bad(
+        {"prompt": "x", "extra_params": {"guardrails": True}}, "extra_params.guardrails", "", id="guardrails"
+    ),
+]
+
+
+def _files(folder: Path) -> set[Path]:
+    return set(folder.rglob("*"))
+
+
+@pytest.mark.parametrize(("content", "expected", "args", "absent"), CASES)
+def test_hostile_file_exits_2_naming_the_line_and_writes_nothing(
+    tmp_path: Path,
+    tiny_ckpt: Path,
+    content: bytes,
+    expected: tuple[str, ...],
+    args: tuple[str, ...],
+    absent: tuple[str, ...],
+) -> None:
+    png, jpeg = _image("PNG"), _image("JPEG")
+    (tmp_path / "good.png").write_bytes(png)
+    (tmp_path / "half.png").write_bytes(png[: len(png) // 2])
+    (tmp_path / "head.jpg").write_bytes(jpeg[:300])
+    (tmp_path / "half.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    (tmp_path / "text.png").write_text("this is text, not a PNG\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(content)
+    before = _files(tmp_path)
+    out = tmp_path / "out"
+    result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress", *args)
+    assert result.exit_code == 2, result.output
+    for text in expected:
+        assert text in result.output, result.output
+    for text in absent:
+        assert text not in result.output, result.output
+    assert _files(tmp_path) - {out} == before  # `run` may create --out while checking it; nothing in it
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "is-a-file"])
+def test_out_that_cannot_be_created_exits_2(tmp_path: Path, tiny_ckpt: Path, where: str) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file\n")
+    out = blocker / "out" if where == "under-a-file" else blocker
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(jsonl(VALID))
+    result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert f"--out {out}: cannot write there" in result.output
+    assert blocker.read_text() == "a regular file\n"
+
+
+def test_read_only_out_exits_2(tmp_path: Path, tiny_ckpt: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        if os.access(out, os.W_OK):
+            pytest.skip("running as root (or with CAP_DAC_OVERRIDE): a 0o500 folder is still writable")
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_bytes(jsonl(VALID))
+        result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress")
+        assert result.exit_code == 2, result.output
+        assert f"--out {out}: cannot write there" in result.output
+        assert list(out.iterdir()) == []
+    finally:
+        out.chmod(0o700)
