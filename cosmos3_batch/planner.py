@@ -234,20 +234,12 @@ def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
 def prompt_tokens(checkpoint: Checkpoint, requests: list[Request]) -> dict[str, int]:
     """Cond-branch UND length of each request, templated exactly as generation will do it."""
     from cosmos3_batch.pipeline.context import build_helper, load_tokenizer
+    from cosmos3_batch.pipeline.denoise import tokenize
 
     helper = build_helper(checkpoint, load_tokenizer(checkpoint))
     tokens = {}
     for r in requests:
-        cond, _ = helper.tokenize_prompt(
-            r.prompt,
-            r.negative_prompt,
-            num_frames=r.num_frames,
-            height=r.height,
-            width=r.width,
-            fps=r.fps,
-            add_resolution_template=r.use_resolution_template,
-            add_duration_template=r.use_duration_template,
-        )
+        cond, _ = tokenize(helper, r)
         tokens[r.id] = len(cond)
     return tokens
 

@@ -41,6 +41,20 @@ class Result:
     frames: np.ndarray  # [T, H, W, 3] float32 in [0, 1]: the reference's output_type="np"
 
 
+def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
+    """(cond, uncond) token ids, templated exactly as the reference pipeline does for this request."""
+    return helper.tokenize_prompt(
+        r.prompt,
+        r.negative_prompt,
+        num_frames=r.num_frames,
+        height=r.height,
+        width=r.width,
+        fps=r.fps,
+        add_resolution_template=r.use_resolution_template,
+        add_duration_template=r.use_duration_template,
+    )
+
+
 class RequestJob:
     def __init__(self, ctx: ModelContext, request: Request, und_cache: bool = True):
         self.ctx = ctx
@@ -72,16 +86,7 @@ class RequestJob:
     def prepare(self) -> None:
         start = time.perf_counter()
         r, helper = self.request, self.ctx.helper
-        cond_ids, uncond_ids = helper.tokenize_prompt(
-            r.prompt,
-            r.negative_prompt,
-            num_frames=r.num_frames,
-            height=r.height,
-            width=r.width,
-            fps=r.fps,
-            add_resolution_template=r.use_resolution_template,
-            add_duration_template=r.use_duration_template,
-        )
+        cond_ids, uncond_ids = tokenize(helper, r)
         # The reference draws noise from a CPU generator seeded per request, whatever the device.
         generator = torch.Generator("cpu").manual_seed(r.seed)
         self.latents, self.condition_mask = self._initial_latents(generator)

@@ -26,7 +26,7 @@ from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics
 from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
-from cosmos3_batch.pipeline.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.denoise import RequestJob, Result, tokenize
 from cosmos3_batch.pipeline.runner import PassRunner, PassSync
 from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
@@ -61,16 +61,7 @@ def token_errors(requests: list[Request], helper, model_limit: int) -> list[Requ
     """Prompts are tokenized with their templates exactly as generation will; over-long ones are rejected."""
     errors = []
     for r in requests:
-        cond, uncond = helper.tokenize_prompt(
-            r.prompt,
-            r.negative_prompt,
-            num_frames=r.num_frames,
-            height=r.height,
-            width=r.width,
-            fps=r.fps,
-            add_resolution_template=r.use_resolution_template,
-            add_duration_template=r.use_duration_template,
-        )
+        cond, uncond = tokenize(helper, r)
         limit = min(model_limit, r.max_sequence_length or model_limit)
         for name, ids in (("prompt", cond), ("negative_prompt", uncond)):
             if len(ids) > limit:
