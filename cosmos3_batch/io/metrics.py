@@ -4,6 +4,7 @@ the request ends, merged into metrics.csv at the end of the run. A crash loses n
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import os
 from pathlib import Path
@@ -72,7 +73,16 @@ def _cell(value) -> str:
 
 
 def merge_metrics(out_dir: Path) -> tuple[Path, list[dict]]:
-    """Union of every part file in --out (all runs, all ranks); a request's latest row wins."""
+    """Union of every part file in --out (all runs, all ranks); a request's latest row wins.
+
+    Array tasks sharing --out may finish together: the lock makes each read-merge-rename see the
+    others' finished merges, so the last one writes the full union."""
+    with open(out_dir / ".metrics.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _merge_locked(out_dir)
+
+
+def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
     rows: dict[str, dict] = {}
     parts = sorted(out_dir.glob(PART_GLOB))
     all_rows = []
