@@ -75,13 +75,12 @@ def run(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded)."""
-    from cosmos3_batch.config import RunConfig
-    from cosmos3_batch.pipeline.job import BadInput, describe_summary, run_job
-    from cosmos3_batch.schedule import parse_shard
+    from cosmos3_batch.config import ConfigError, make_config
+    from cosmos3_batch.pipeline.job import BadInput, run_job
 
     _setup_logging()
     try:
-        cfg = RunConfig(
+        cfg = make_config(
             prompts=prompts,
             out=out,
             model=model,
@@ -92,17 +91,18 @@ def run(
             overwrite=overwrite,
             device=device,
             progress=progress,
-            offload=_offload_mode(offload),
+            offload=offload,
             collective_timeout_s=collective_timeout_s,
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
-            shard=None if shard is None else parse_shard(shard),
+            shard=shard,
         )
-        code = run_job(cfg)
-    except (BadInput, ValueError) as exc:
+        code, line = run_job(cfg)
+    except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(describe_summary(out, cfg.tag))
+    if line is not None:
+        typer.echo(line)
     raise typer.Exit(code)
 
 
@@ -129,19 +129,21 @@ def plan(
     shard: Annotated[
         str | None, typer.Option(help="INDEX/COUNT: plan only this slice, as `run --shard`.")
     ] = None,
+    max_vision_tokens: Annotated[int, typer.Option(help="As `run --max-vision-tokens`.")] = 65536,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
 
     from cosmos3_batch import planner
+    from cosmos3_batch.config import parse_offload
     from cosmos3_batch.schedule import assign, describe, in_shard, parse_shard
 
     try:
         if nproc < 1 or nnodes < 1 or nproc % nnodes:
             raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
-        mode = _offload_mode(offload)
-        requests, checkpoint = _plan_requests(prompts, model)
+        mode = parse_offload(offload)
+        requests, checkpoint = _plan_requests(prompts, model, max_vision_tokens)
         if shard is not None:
             index, count = parse_shard(shard)
             requests = [r for r in requests if in_shard(r.id, index, count)]
@@ -172,15 +174,15 @@ def plan(
     typer.echo(json.dumps(doc, indent=2) if json_out else "\n".join(text))
 
 
-def _plan_requests(prompts: Path, model: Path | None):
+def _plan_requests(prompts: Path, model: Path | None, max_vision_tokens: int):
     from cosmos3_batch.model.loading import Checkpoint
     from cosmos3_batch.pipeline.job import limits_for
-    from cosmos3_batch.requests import load_requests
+    from cosmos3_batch.requests import ModelLimits, load_requests
 
     if model is None:
-        return load_requests(str(prompts))[0], None
+        return load_requests(str(prompts), ModelLimits(max_vision_tokens=max_vision_tokens))[0], None
     checkpoint = Checkpoint.open(model)
-    return load_requests(str(prompts), limits_for(checkpoint, 1 << 62))[0], checkpoint
+    return load_requests(str(prompts), limits_for(checkpoint, max_vision_tokens))[0], checkpoint
 
 
 @app.command("make-tiny")
@@ -216,17 +218,6 @@ def make_tiny(
         raise typer.Exit(2) from None
     path = write_tiny(dir, spec)
     typer.echo(f"wrote {path}")
-
-
-def _offload_mode(name: str):
-    from cosmos3_batch.engine.transport import OffloadMode
-
-    try:
-        return OffloadMode(name)
-    except ValueError:
-        raise ValueError(
-            f"--offload must be one of {', '.join(m.value for m in OffloadMode)}, got {name!r}"
-        ) from None
 
 
 def _setup_logging() -> None:

@@ -10,6 +10,10 @@ from cosmos3_batch.engine.transport import OffloadMode
 DEVICES = ("auto", "cpu", "cuda")
 
 
+class ConfigError(ValueError):
+    """A flag is wrong: reported with exit code 2 before anything loads."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     prompts: Path
@@ -46,3 +50,22 @@ class RunConfig:
             raise ValueError(f"PROMPTS {self.prompts}: no such file")
         if self.model is not None and not (self.model / "model_index.json").is_file():
             raise ValueError(f"--model {self.model}: not a diffusers checkpoint folder (no model_index.json)")
+
+
+def parse_offload(name: str) -> OffloadMode:
+    try:
+        return OffloadMode(name)
+    except ValueError:
+        modes = ", ".join(m.value for m in OffloadMode)
+        raise ConfigError(f"--offload must be one of {modes}, got {name!r}") from None
+
+
+def make_config(offload: str, shard: str | None, **flags) -> RunConfig:
+    """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2)."""
+    from cosmos3_batch.schedule import parse_shard
+
+    try:
+        parsed = None if shard is None else parse_shard(shard)
+        return RunConfig(offload=parse_offload(offload), shard=parsed, **flags)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

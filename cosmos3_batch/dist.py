@@ -52,7 +52,11 @@ def pick_device(choice: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        # Two ranks on one GPU would fail later inside NCCL with a far less clear message.
+        raise ValueError(f"LOCAL_RANK {local_rank} but only {count} visible GPU(s): lower --nproc-per-node")
+    device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
 

@@ -28,7 +28,11 @@ class PinnedRegion:
         nbytes = tensor.numel() * tensor.element_size()
         code = self._cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         if int(code) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(code)}")
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (CUDA error {int(code)}): the "
+                "locked-memory limit (`ulimit -l`, container memlock) or host RAM is too small; use more "
+                "ranks or nodes (smaller shards each) or --offload local"
+            )
 
     def close(self) -> None:
         if self.tensor is not None:
@@ -61,7 +65,10 @@ class CudaBackend:
             self._staging = [torch.empty(size, dtype=torch.uint8) for _ in slots]
             if cuda is None:
                 self._pinned += [PinnedRegion(buf) for buf in self._staging]
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-stage")
+            # The thread must drive this rank's GPU: a new thread starts on device 0, where it would create
+            # a context (and memory) on another rank's GPU.
+            init = (lambda: None) if cuda is not None else (lambda: torch.cuda.set_device(device))
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-stage", initializer=init)
 
     def release(self, slot: int) -> None:
         # Everything that reads this slot has been issued on the compute stream by now.
@@ -105,5 +112,10 @@ class CudaBackend:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        if self._pinned:
+            # Teardown only (not the steady state): DMA out of the arena may still be in flight after an
+            # error mid-pass; unregistering under it would be undefined.
+            self.copy_stream.synchronize()
+            self.comm_stream.synchronize()
         for region in self._pinned:
             region.close()

@@ -138,8 +138,11 @@ def write_json(path: Path, data: dict) -> int:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
-def is_complete(paths: OutputPaths, content_hash: str) -> tuple[bool, str]:
-    """(complete, why not). Complete = sidecar says so, the request is unchanged, files have their sizes."""
+def is_complete(
+    paths: OutputPaths, content_hash: str, output_key: str, need_latents: bool
+) -> tuple[bool, str]:
+    """(complete, why not). Complete = the sidecar says so, for this request, model and decode settings,
+    with every file it lists present at its recorded size (and latents when they are asked for)."""
     try:
         sidecar = json.loads(paths.sidecar.read_text())
     except (OSError, ValueError):
@@ -148,12 +151,16 @@ def is_complete(paths: OutputPaths, content_hash: str) -> tuple[bool, str]:
         return False, "sidecar not complete"
     if sidecar.get("request_hash") != content_hash:
         return False, "request changed since it was generated"
+    if sidecar.get("output_key") != output_key:
+        return False, "model or decode settings changed since it was generated"
     files = sidecar.get("files")
     # Only our own file names count, each inside --out with the size the sidecar recorded; anything
     # else (no media entry, a path, a malformed entry) means "not complete", never a crash.
     expected = {"media": paths.media.name, "latents": paths.latents.name}
     if not isinstance(files, dict) or "media" not in files:
         return False, "sidecar lists no media file"
+    if need_latents and "latents" not in files:
+        return False, "latents were not saved"
     for key, entry in files.items():
         if not isinstance(entry, dict) or entry.get("name") != expected.get(key):
             return False, f"sidecar entry {key!r} is not one of this request's files"

@@ -117,7 +117,8 @@ class Cosmos3Split:
             noisy_frame_indexes=noisy_frame_indexes,
             token_shapes=token_shapes,
         )
-        return packed, original_shapes
+        # The reference writes these rows into a buffer of the text embeddings' dtype: the same cast here.
+        return packed.to(self.dtype), original_shapes
 
     # ---- layer halves ------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ the layers can be left for the offload engine to place.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,16 @@ class Checkpoint:
             if not (root / name).is_dir():
                 raise CheckpointError(f"{root}: component folder '{name}/' is missing")
         return cls(root, json.loads(index.read_text()))
+
+    def identity(self) -> str:
+        """Changes when the model would produce different outputs: its configs and weight files (name and
+        size), not where it lives, so a moved checkpoint still resumes."""
+        digest = hashlib.sha256()
+        for path in [*sorted(self.root.glob("*/*.json")), self.root / "model_index.json"]:
+            digest.update(f"{path.relative_to(self.root)}\n".encode() + path.read_bytes())
+        for path in sorted(self.root.glob("*/*.safetensors")):
+            digest.update(f"{path.relative_to(self.root)}:{path.stat().st_size}\n".encode())
+        return digest.hexdigest()[:16]
 
     def config(self, component: str) -> dict:
         name = "scheduler_config.json" if component == "scheduler" else "config.json"
@@ -117,6 +128,10 @@ def load_transformer(ckpt: Checkpoint, device: torch.device, with_layers: bool =
                 sub = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
                 fill_module(child, sub, where)
     rebuild_rotary(model)
+    # As diffusers' from_pretrained(torch_dtype=...) does: these modules run in float32 whatever the
+    # checkpoint stores (the time embedding loses too much in bf16).
+    for name in type(model)._keep_in_fp32_modules or ():
+        getattr(model, name).float()
     model.eval().requires_grad_(False)
     # embed_tokens stays on the host (lookups of a few hundred ids); everything else goes to the device.
     for name, child in model.named_children():

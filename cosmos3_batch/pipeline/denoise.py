@@ -96,6 +96,7 @@ class RequestJob:
         self.tokens = sum(len(ids) for ids in prompts)
         self.scheduler = self._scheduler()
         self.timesteps = self.scheduler.timesteps
+        self._timestep_values = self.timesteps.tolist()  # read on the host each step without a device sync
         self.timings["prepare_s"] = time.perf_counter() - start
 
     def _initial_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,10 +177,10 @@ class RequestJob:
     def begin_step(self) -> None:
         """Embed the current latents into the GEN stream; every branch starts from the same tokens."""
         self._step_started = time.perf_counter()
-        t = self.timesteps[self.step_index]
         split, layout = self.ctx.split, self.layout
         tokens = self.latents.to(device=self.ctx.device, dtype=split.dtype)
-        timesteps = torch.full((layout.num_noisy_tokens,), t.item(), device=self.ctx.device)
+        value = self._timestep_values[self.step_index]
+        timesteps = torch.full((layout.num_noisy_tokens,), value, device=self.ctx.device)
         hidden, layout.original_shapes = split.embed_vision(
             tokens, timesteps, layout.token_shapes, layout.noisy_frame_indexes
         )

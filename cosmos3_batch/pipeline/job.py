@@ -46,6 +46,7 @@ class Plan:
     invalid: list[RequestError]  # skipped with --skip-invalid
     complete: list[Request]  # already done by an earlier run (resume)
     tokenizer: object = None
+    model_identity: str = ""
 
 
 def limits_for(checkpoint: Checkpoint, max_vision_tokens: int) -> ModelLimits:
@@ -95,21 +96,33 @@ def plan_run(cfg: RunConfig) -> Plan:
     invalid = sorted(invalid + errors, key=lambda e: e.line)
     if invalid and not cfg.skip_invalid:
         raise BadInput(str(RequestFileError(str(cfg.prompts), invalid)))
-    outputs.check_writable(cfg.out)  # after the file checks: a bad file leaves no --out folder behind
+    try:  # after the file checks: a bad file leaves no --out folder behind
+        outputs.check_writable(cfg.out)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
     bad_lines = {e.line for e in errors}
     requests = [r for r in requests if r.line not in bad_lines]
     if cfg.shard is not None:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     todo, complete = [], []
+    identity = checkpoint.identity()
     for r in requests:
-        done, why = outputs.is_complete(outputs.paths_for(cfg.out, r.id, r.num_frames), r.content_hash())
+        paths = outputs.paths_for(cfg.out, r.id, r.num_frames)
+        key = output_key(r, identity, cfg.vae_tiling)
+        done, why = outputs.is_complete(paths, r.content_hash(), key, cfg.save_latents)
         if done and not cfg.overwrite:
             complete.append(r)
             continue
-        if why == "request changed since it was generated":
+        if paths.sidecar.exists() and not cfg.overwrite:
             log.warning("%s: %s; generating it again", r.id, why)
         todo.append(r)
-    return Plan(Path(model_dir), todo, invalid, complete, tokenizer)
+    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity)
+
+
+def output_key(r: Request, model_identity: str, vae_tiling: bool) -> str:
+    """What besides the request decides the output bytes: the model and how we decode."""
+    text = json.dumps([r.content_hash(), model_identity, vae_tiling])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def versions() -> dict[str, str]:
@@ -131,6 +144,7 @@ class ResultWriter:
     cfg: RunConfig
     model_dir: Path
     metrics: MetricsWriter
+    model_identity: str
     rank: int = 0
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
@@ -150,26 +164,29 @@ class ResultWriter:
         else:
             self.failed[r.id] = error
             log.warning("request %s failed: %s", r.id, error)
-        self.metrics.row(
-            id=r.id,
-            status="ok" if error is None else "failed",
-            kind=r.kind,
-            width=r.width,
-            height=r.height,
-            num_frames=r.num_frames,
-            steps=r.num_inference_steps,
-            guidance=r.guidance_scale,
-            seed=r.seed,
-            tokens=job.tokens,
-            write_s=write_s,
-            weight_bytes=round(job.weight_bytes),
-            stall_s=job.stall_s,
-            rank=self.rank,
-            finished_at=time.time(),
-            output=output,
-            error=error,
-            **{k: job.timings.get(k) for k in ("latency_s", "prepare_s", "denoise_s", "decode_s")},
-        )
+        try:
+            self.metrics.row(
+                id=r.id,
+                status="ok" if error is None else "failed",
+                kind=r.kind,
+                width=r.width,
+                height=r.height,
+                num_frames=r.num_frames,
+                steps=r.num_inference_steps,
+                guidance=r.guidance_scale,
+                seed=r.seed,
+                tokens=job.tokens,
+                write_s=write_s,
+                weight_bytes=round(job.weight_bytes),
+                stall_s=job.stall_s,
+                rank=self.rank,
+                finished_at=time.time(),
+                output=output,
+                error=error,
+                **{k: job.timings.get(k) for k in ("latency_s", "prepare_s", "denoise_s", "decode_s")},
+            )
+        except OSError as exc:  # a full disk must fail this row, not the rank (its peers would hang)
+            log.error("request %s: cannot append its metrics row: %s", r.id, exc)
 
     def _write(self, job: RequestJob, result: Result) -> str:
         r = job.request
@@ -189,6 +206,7 @@ class ResultWriter:
             "kind": r.kind,
             "request": r.resolved(),
             "request_hash": r.content_hash(),
+            "output_key": output_key(r, self.model_identity, self.cfg.vae_tiling),
             "seed": r.seed,
             "tokens": job.tokens,
             "files": files,
@@ -201,9 +219,13 @@ class ResultWriter:
 
 
 @record
-def run_job(cfg: RunConfig) -> int:
-    """Returns the exit code: 0 all requests ok, 1 some failed. Raises BadInput for exit code 2."""
-    world = init_world(cfg.device, cfg.collective_timeout_s)
+def run_job(cfg: RunConfig) -> tuple[int, str | None]:
+    """(exit code, summary line on rank 0 else None): 0 all requests ok, 1 some failed.
+    Raises BadInput for exit code 2."""
+    try:
+        world = init_world(cfg.device, cfg.collective_timeout_s)
+    except ValueError as exc:  # no such device, more ranks than GPUs
+        raise BadInput(str(exc)) from exc
     try:
         return _run(cfg, world)
     finally:
@@ -220,7 +242,7 @@ def _check_same_plan(world: World, plan: Plan) -> None:
         )
 
 
-def _run(cfg: RunConfig, world: World) -> int:
+def _run(cfg: RunConfig, world: World) -> tuple[int, str | None]:
     started = time.time()
     _quiet_other_ranks(world)
     plan = plan_run(cfg)
@@ -247,7 +269,7 @@ def _run(cfg: RunConfig, world: World) -> int:
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
     bar = tqdm(total=len(plan.requests), unit="req", disable=not show, dynamic_ncols=True)
-    writer = ResultWriter(cfg, plan.model_dir, metrics, rank=world.rank)
+    writer = ResultWriter(cfg, plan.model_dir, metrics, plan.model_identity, rank=world.rank)
     sync = PassSync(world.world_size, world.main_group, world.device)
     runner = PassRunner(ctx, weights, cfg.max_active, writer, sync, bar.update, und_cache=cfg.und_cache)
     try:
@@ -262,7 +284,8 @@ def _run(cfg: RunConfig, world: World) -> int:
         bar.close()
         metrics.close()
         weights.close()
-    ranks = world.all_gather_object(_rank_report(world, runner, writer))
+    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
+    ranks = world.all_gather_object(_rank_report(world, runner, writer, gathers))
     failed = {k: v for report in ranks for k, v in report.pop("failed").items()}
     if world.is_main:
         merge_metrics(cfg.out)
@@ -271,7 +294,8 @@ def _run(cfg: RunConfig, world: World) -> int:
         if failed:
             log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
     world.barrier()  # summary.json exists before any rank reports success
-    return 1 if failed else 0
+    line = describe_summary(cfg.out, cfg.tag) if world.is_main else None
+    return (1 if failed else 0), line
 
 
 def _quiet_other_ranks(world: World) -> None:
@@ -279,7 +303,7 @@ def _quiet_other_ranks(world: World) -> None:
         logging.getLogger("cosmos3_batch").setLevel(logging.WARNING)
 
 
-def _rank_report(world: World, runner: PassRunner, writer: ResultWriter) -> dict:
+def _rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers: bool) -> dict:
     totals = runner.totals
     return {
         "rank": world.rank,
@@ -289,7 +313,7 @@ def _rank_report(world: World, runner: PassRunner, writer: ResultWriter) -> dict
         "und_passes": runner.und_passes,
         "pass_s": round(runner.pass_s, 6),
         "all_reduces": runner.sync.all_reduces,
-        "gathers": totals.fetches if world.distributed else 0,
+        "gathers": totals.fetches if world.distributed and gathers else 0,
         "fetches": totals.fetches,
         "collective_trace": runner.sync.trace_digest,
         "h2d_bytes": totals.h2d_bytes,

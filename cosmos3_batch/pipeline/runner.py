@@ -108,6 +108,8 @@ class PassRunner:
                 self.on_progress(finished)
             if total == 0:
                 return
+            # Start fetching the first part now, so the transfer overlaps the per-request embedding.
+            self.weights.begin_pass(und)
             active = self._begin(active)
             self._pass(active, und)
             active = self._finish(active)
@@ -142,7 +144,6 @@ class PassRunner:
     def _pass(self, active: list[RequestJob], und_flag: bool) -> None:
         split, weights = self.ctx.split, self.weights
         started = time.perf_counter()
-        weights.begin_pass(und_flag)
         for index in range(split.num_layers):
             if und_flag:
                 self.sync.note(f"part:{index}.{UND}")
