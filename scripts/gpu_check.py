@@ -1,0 +1,442 @@
+"""One-GPU check of the numbers the design rests on: nothing downloaded, random bf16 weights, < 8 minutes
+on one H200. Run it through `bash scripts/gpu_check.sh`, which enforces the time limit.
+
+    python scripts/gpu_check.py [--layers 8] [--budget-s 450] [--tmp /tmp] [--out gpu_check.md]
+
+1. Host->device GB/s for one GEN layer part of Cosmos3-Nano (~386 MB bf16): pageable memory vs memory
+   pinned with cudaHostRegister (exactly as the engine pins its arena and staging buffers).
+2. GEN-half compute of one Nano-shaped layer (hidden 4096, 32/8 heads, head dim 128, intermediate 12288)
+   through our `Cosmos3Split.gen_layer`, timed with CUDA events at 480p and 720p token counts, next to
+   the time one fetch of that part takes: how many sequences per pass hide the transfer.
+3. Pass time through our engine over L Nano-shaped layers (written to a temporary safetensors checkpoint;
+   the page cache keeps it warm, as on a node): `resident` vs `local` and `allgather` at world size 1,
+   with K=1 and K=4 requests (two CFG branches each), GEN halves only (the steady state: UND cached).
+   Overlap ratio = offloaded pass time / resident pass time (1.0: the transfer is completely hidden).
+
+Prints markdown tables to paste into the README. Synchronizing the device here is for timing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One Cosmos3 MoT decoder layer. Defaults: Cosmos3-Nano (Qwen3-8B-shaped streams)."""
+
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 12288
+
+
+NANO = LayerShape()
+
+
+@dataclass(frozen=True)
+class Video:
+    name: str
+    width: int
+    height: int
+    frames: int
+
+
+VIDEOS = (
+    Video("480p, 29 frames", 832, 480, 29),
+    Video("720p, 29 frames", 1280, 720, 29),
+    Video("720p, 189 frames", 1280, 720, 189),
+)
+
+
+def vision_tokens(
+    width: int, height: int, frames: int, spatial: int = 16, temporal: int = 4, patch: int = 2
+) -> int:
+    """GEN tokens of one video: latent frames x patch rows x patch columns (the Wan2.2 VAE compresses 16x in
+    space and 4x in time; the transformer patchifies 2x2, padding a partial patch), as schedule.py counts."""
+    latent_frames = (frames - 1) // temporal + 1
+    return latent_frames * math.ceil(height / spatial / patch) * math.ceil(width / spatial / patch)
+
+
+def gen_flops(tokens: int, und_len: int, shape: LayerShape = NANO) -> float:
+    """FLOPs of one GEN half for one branch: projections, MLP and attention over UND prefix + GEN tokens."""
+    q_out = shape.heads * shape.head_dim
+    kv_out = shape.kv_heads * shape.head_dim
+    projections = 2 * tokens * shape.hidden * (2 * q_out + 2 * kv_out)
+    mlp = 2 * tokens * 3 * shape.hidden * shape.intermediate
+    attention = 4 * tokens * (tokens + und_len) * q_out  # Q K^T and P V
+    return float(projections + mlp + attention)
+
+
+def build_layer(shape: LayerShape = NANO, device: str = "meta"):
+    import torch
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3VLTextMoTDecoderLayer
+
+    with torch.device(device):
+        return Cosmos3VLTextMoTDecoderLayer(
+            hidden_size=shape.hidden,
+            head_dim=shape.head_dim,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            intermediate_size=shape.intermediate,
+            attention_bias=False,
+            rms_norm_eps=1e-6,
+        )
+
+
+def part_bytes(shape: LayerShape = NANO, itemsize: int = 2) -> dict[str, int]:
+    """Bytes of a layer's UND and GEN parts, split exactly as the engine splits them (on the meta device)."""
+    from cosmos3_batch.model.cosmos3 import part_of
+
+    sizes: dict[str, int] = {}
+    for name, param in build_layer(shape).named_parameters():
+        sizes[part_of(name)] = sizes.get(part_of(name), 0) + param.numel() * itemsize
+    return sizes
+
+
+def fetch_ms(nbytes: int, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3
+
+
+def branches_to_hide(fetch: float, compute_per_branch: float) -> int:
+    """Sequences a pass must apply to each part so that its compute covers the next part's fetch."""
+    return max(1, math.ceil(fetch / compute_per_branch))
+
+
+def markdown(headers: list[str], rows: list[list]) -> str:
+    def cell(value) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+class Budget:
+    """Seconds left of the run's budget: sections that would not fit are reported as skipped, not cut off."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self._clock = clock
+        self._end = clock() + seconds
+
+    def left(self) -> float:
+        return self._end - self._clock()
+
+    def allows(self, estimate_s: float) -> bool:
+        return self.left() > estimate_s
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layers", type=int, default=8, help="Nano-shaped layers in the engine check (~772 MB each)"
+    )
+    parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting sections after this")
+    parser.add_argument(
+        "--tmp", type=Path, default=Path(tempfile.gettempdir()), help="where the checkpoint goes"
+    )
+    parser.add_argument(
+        "--und-len", type=int, default=256, help="UND (prompt) tokens each GEN token attends to"
+    )
+    parser.add_argument("--passes", type=int, default=3, help="timed passes per engine configuration")
+    parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    if args.layers < 2:
+        parser.error("--layers must be >= 2 (two slots: a pass needs at least two parts to overlap)")
+    return args
+
+
+# ---- on the GPU ---------------------------------------------------------------------------------------
+
+
+def sync(device) -> None:
+    """Timing only: wait for the device (a no-op on CPU, where the helpers also run in the unit tests)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_layer(device, shape: LayerShape = NANO):
+    """A layer with torch's default random init, in bf16 on the device (no checkpoint)."""
+    import torch
+
+    return build_layer(shape, device=str(device)).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def h2d_gbps(nbytes: int, device, pinned: bool, reps: int = 5) -> float:
+    """Host->device GB/s for one buffer of `nbytes`; pinned = cudaHostRegister'd, as the engine does it."""
+    import torch
+
+    from cosmos3_batch.engine.cuda_backend import PinnedRegion
+
+    host = torch.ones(nbytes, dtype=torch.uint8)  # touched: first-touch page faults are not transfer time
+    region = PinnedRegion(host) if pinned else None
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        dst.copy_(host, non_blocking=pinned)
+        torch.cuda.synchronize()  # timing only: the warm-up copy is done
+        start = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(host, non_blocking=pinned)
+        torch.cuda.synchronize()  # timing only
+        return nbytes * reps / (time.perf_counter() - start) / 1e9
+    finally:
+        if region is not None:
+            region.close()
+
+
+def branch(tokens: int, und_len: int, layers: int, device, shape: LayerShape = NANO):
+    """A GEN branch with random activations, rotary tables and a cached UND K/V per layer; and its input."""
+    import torch
+
+    from cosmos3_batch.model.cosmos3 import BranchSeq
+
+    def rotary(n: int):
+        angle = torch.rand(n, 1, shape.head_dim, device=device)
+        return angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+
+    k = torch.randn(und_len, shape.kv_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
+    seq = BranchSeq(
+        und_hidden=None,
+        text_hidden=torch.empty(0, device=device),
+        rot_und=rotary(und_len),
+        rot_gen=rotary(tokens),
+        mse_rows=torch.arange(tokens, device=device),
+        und_kv=[(k, torch.randn_like(k))] * layers,  # the same cached K/V serves every layer: timing only
+    )
+    return seq, torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16)
+
+
+def split_for(layers: int):
+    from types import SimpleNamespace
+
+    from cosmos3_batch.model.cosmos3 import Cosmos3Split
+
+    # gen_layer reads only the layer it is given: a stand-in transformer carries the layer count.
+    return Cosmos3Split(SimpleNamespace(config=SimpleNamespace(num_hidden_layers=layers)))
+
+
+def gen_layer_ms(layer, tokens: int, und_len: int, device, reps: int = 5) -> float:
+    """Milliseconds of one GEN half for one branch, timed with CUDA events."""
+    import torch
+
+    split, (seq, hidden) = split_for(1), branch(tokens, und_len, 1, device)
+    seq.gen_hidden = hidden
+    split.gen_layer(layer, seq, 0)  # warm-up: kernel selection, workspace allocation
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        seq.gen_hidden = hidden  # same input every time: random weights must not drift into inf
+        split.gen_layer(layer, seq, 0)
+    end.record()
+    end.synchronize()  # timing only
+    return start.elapsed_time(end) / reps
+
+
+def transfer_section(gen_bytes: int, device) -> tuple[str, float]:
+    pageable, pinned = h2d_gbps(gen_bytes, device, False), h2d_gbps(gen_bytes, device, True)
+    rows = [
+        ["pageable (plain host memory)", pageable, fetch_ms(gen_bytes, pageable)],
+        ["pinned (cudaHostRegister, as the engine)", pinned, fetch_ms(gen_bytes, pinned)],
+    ]
+    title = f"### Host -> device, one GEN layer part ({gen_bytes / 2**20:.0f} MiB bf16)\n\n"
+    return title + markdown(["host memory", "GB/s", "ms per part"], rows), pinned
+
+
+def compute_section(device, gen_bytes: int, pinned_gbps: float, und_len: int, budget: Budget) -> str:
+    layer = random_layer(device)
+    fetch = fetch_ms(gen_bytes, pinned_gbps)
+    rows = []
+    for video in VIDEOS:
+        if not budget.allows(60):
+            rows.append([video.name, "", "skipped (time budget)", "", "", ""])
+            continue
+        tokens = vision_tokens(video.width, video.height, video.frames)
+        ms = gen_layer_ms(layer, tokens, und_len, device)
+        tflops = gen_flops(tokens, und_len) / (ms / 1e3) / 1e12
+        rows.append([video.name, tokens, ms, tflops, fetch, branches_to_hide(fetch, ms)])
+    del layer
+    title = f"### GEN half of one Nano-shaped layer (bf16, {und_len} UND tokens of context), vs its fetch\n\n"
+    headers = [
+        "video",
+        "vision tokens",
+        "ms / layer / branch",
+        "TFLOP/s",
+        "fetch ms (pinned)",
+        "branches to hide",
+    ]
+    return title + markdown(headers, rows)
+
+
+def write_checkpoint(folder: Path, layers) -> None:
+    """The layers as a diffusers-style transformer folder of safetensors files (one per layer)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, layer in enumerate(layers):
+        tensors = {f"layers.{index}.{name}": p.detach().cpu() for name, p in layer.named_parameters()}
+        save_file(tensors, str(folder / f"layers-{index:05d}.safetensors"))
+
+
+def engine_weights(mode: str, layers, root: Path, count: int, device, shape: LayerShape = NANO):
+    """The product's own `build_weights`: resident over the GPU layers, or the engine over meta layers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cosmos3_batch.dist import World
+    from cosmos3_batch.engine.host import TensorStore
+    from cosmos3_batch.engine.transport import OffloadMode
+    from cosmos3_batch.pipeline.weights import build_weights
+
+    if mode != "resident":  # the engine re-points every parameter of these at its device slots
+        layers = torch.nn.ModuleList(build_layer(shape) for _ in range(count))
+    checkpoint = SimpleNamespace(store=lambda component: TensorStore(root / component))
+    return build_weights(layers, checkpoint, OffloadMode(mode), World(device=device))
+
+
+def pass_seconds(weights, split, branches: list, layers: int, passes: int, device) -> tuple[float, float]:
+    """(seconds per pass, stall share) of GEN-only passes (the steady state: UND K/V cached)."""
+    from cosmos3_batch.model.cosmos3 import GEN
+
+    def one_pass():
+        for seq, hidden in branches:
+            seq.gen_hidden = hidden
+        weights.begin_pass(False)
+        for index in range(layers):
+            layer = weights.layer(index, GEN)
+            for seq, _ in branches:
+                split.gen_layer(layer, seq, index)
+        return weights.end_pass()
+
+    one_pass()
+    sync(device)  # warm-up (kernel selection, first touches) is done
+    stall, start = 0.0, time.perf_counter()
+    for _ in range(passes):
+        stall += one_pass().stall_s
+    sync(device)
+    total = time.perf_counter() - start
+    return total / passes, stall / total
+
+
+def mode_rows(mode: str, gpu_layers, root: Path, args: argparse.Namespace, device) -> list[dict]:
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = engine_weights(mode, gpu_layers, root, args.layers, device)
+    split, tokens, rows = split_for(args.layers), vision_tokens(832, 480, 29), []
+    try:
+        for k in (1, 4):  # K requests, each with a cond and an uncond branch
+            branches = [branch(tokens, args.und_len, args.layers, device) for _ in range(2 * k)]
+            pass_s, stall = pass_seconds(weights, split, branches, args.layers, args.passes, device)
+            rows.append({"mode": mode, "K": k, "pass_s": pass_s, "stall": stall})
+            del branches
+    finally:
+        weights.close()
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    return [{**row, "peak_gib": peak} for row in rows]
+
+
+def engine_table(rows: list[dict], layers: int) -> str:
+    base = {row["K"]: row["pass_s"] for row in rows if row["mode"] == "resident"}
+    table = [
+        [
+            row["mode"],
+            row["K"],
+            row["pass_s"] / layers * 1e3,
+            row["pass_s"] / row["K"] * 1e3,
+            row["pass_s"] / base[row["K"]] if row["K"] in base else "",
+            row["stall"],
+            row["peak_gib"],
+        ]
+        for row in rows
+    ]
+    headers = ["mode (N=1)", "K", "ms / layer", "ms / request-step", "x resident", "stall share", "peak GiB"]
+    return markdown(headers, table)
+
+
+def engine_section(args: argparse.Namespace, device, budget: Budget) -> str:
+    import torch
+
+    need = args.layers * sum(part_bytes().values())
+    title = (
+        f"### Engine pass over {args.layers} Nano-shaped layers, GEN halves, 480p 29 frames "
+        f"({vision_tokens(832, 480, 29)} tokens), 2 CFG branches per request\n\n"
+    )
+    root = Path(tempfile.mkdtemp(prefix="cosmos3-gpu-check-", dir=args.tmp))
+    try:
+        if shutil.disk_usage(root).free < 1.2 * need:
+            return title + f"skipped: the checkpoint needs {need / 2**30:.1f} GiB free in {args.tmp}"
+        gpu_layers = torch.nn.ModuleList(random_layer(device) for _ in range(args.layers))
+        write_checkpoint(root / "transformer", gpu_layers)
+        rows = []
+        for mode in ("resident", "local", "allgather"):
+            if not budget.allows(60):
+                print(f"gpu_check: {mode} skipped (time budget)", file=sys.stderr)
+                continue
+            rows += mode_rows(mode, gpu_layers, root, args, device)
+            gpu_layers = None  # resident is done: free its weights before the offload modes run
+        return title + engine_table(rows, args.layers)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def describe_device(device) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return (
+        f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}; random bf16 weights, Cosmos3-Nano layer shapes"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device is visible; this check needs one NVIDIA GPU "
+            "(the CPU benchmark is scripts/bench.py)",
+            file=sys.stderr,
+        )
+        return 2
+    budget = Budget(args.budget_s)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.set_grad_enabled(False)
+    sections = [describe_device(device)]
+    print(sections[-1], flush=True)
+    gen_bytes = part_bytes()["gen"]
+    table, pinned = transfer_section(gen_bytes, device)
+    for section in (lambda: table, lambda: compute_section(device, gen_bytes, pinned, args.und_len, budget)):
+        sections.append(section())
+        print("\n" + sections[-1], flush=True)  # printed as it comes: a later failure keeps these
+    if budget.allows(120):
+        sections.append(engine_section(args, device, budget))
+    else:
+        sections.append("### Engine pass\n\nskipped (time budget)")
+    print("\n" + sections[-1], flush=True)
+    if args.out:
+        args.out.write_text("\n\n".join(sections) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
