@@ -7,7 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 
@@ -29,3 +31,15 @@ def cond_image(tmp_path_factory) -> Path:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def assert_same_outputs(ref: Path, out: Path, ids: list[str]) -> None:
+    """Latents equal bit for bit, PNGs equal byte for byte, videos present (H.264 is compared via latents)."""
+    for rid in ids:
+        expected = load_file(ref / f"{rid}.latents.safetensors")["latents"]
+        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
+        png = ref / f"{rid}.png"
+        if png.exists():
+            assert (out / f"{rid}.png").read_bytes() == png.read_bytes(), rid
+        else:
+            assert (out / f"{rid}.mp4").stat().st_size > 0, rid

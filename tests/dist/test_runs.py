@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from cosmos3_batch.engine.host import TensorStore
 from cosmos3_batch.engine.layout import ParamSpec, build_part_layout
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
-from tests.conftest import write_jsonl
+from tests.conftest import assert_same_outputs, write_jsonl
 
 pytestmark = pytest.mark.dist
 # torchrun gives each worker one thread; the reference run must use the same (CPU GEMMs reduce in a
@@ -83,15 +81,6 @@ def layer_bytes(tiny_ckpt: Path, world_size: int) -> dict[str, int]:
         sums[f"{half}_shard"] += layout.shard_bytes
         sums[f"{half}_full"] += layout.nbytes
     return sums
-
-
-def assert_same_outputs(ref: Path, out: Path, ids: list[str]) -> None:
-    for rid in ids:
-        expected = load_file(ref / f"{rid}.latents.safetensors")["latents"]
-        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
-        png = ref / f"{rid}.png"
-        if png.exists():
-            assert (out / f"{rid}.png").read_bytes() == png.read_bytes(), rid
 
 
 def assert_lockstep(summary: dict, world_size: int) -> None:

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from cosmos3_batch.schedule import in_shard
-from tests.conftest import write_jsonl
+from tests.conftest import assert_same_outputs, write_jsonl
 from tests.slurm.conftest import FINAL_STATES, JOB_DEADLINE_S, Cluster, Job, binary, free_port, job_logs, poll
 
 pytestmark = pytest.mark.slurm
@@ -173,17 +171,6 @@ def assert_done_once(out: Path, ids: list[str], part_files: int) -> None:
     rows = [row for part in parts for row in read_rows(part)]
     assert Counter(row["id"] for row in rows) == Counter(ids), rows
     assert all(row["status"] == "ok" for row in rows), rows
-
-
-def assert_same_outputs(ref: Path, out: Path, ids: list[str]) -> None:
-    for rid in ids:
-        expected = load_file(ref / f"{rid}.latents.safetensors")["latents"]
-        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
-        png = ref / f"{rid}.png"
-        if png.exists():
-            assert (out / f"{rid}.png").read_bytes() == png.read_bytes(), rid
-        else:
-            assert (out / f"{rid}.mp4").stat().st_size > 0, rid
 
 
 def test_requeue_appends_the_log_and_resumes(cluster: Cluster, jobs: dict[str, Job]) -> None:
