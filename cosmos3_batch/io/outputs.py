@@ -47,6 +47,11 @@ def check_writable(out_dir: Path) -> None:
         raise ValueError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from exc
 
 
+# mkstemp makes 0600 files; finished outputs get the permissions a plain open() would give (others on a
+# shared cluster read the dataset). Read once at import, while still single-threaded: umask() sets it too.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp\.[^.]+$")
 
 
@@ -77,6 +82,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> int:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

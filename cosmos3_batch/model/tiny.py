@@ -190,6 +190,10 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         }
         (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
         (tmp / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+        # mkdtemp (and safetensors) make owner-only entries: let other users of a shared cache read the model.
+        umask = _umask()
+        for entry in [tmp, *tmp.rglob("*")]:
+            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
         if overwrite and out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -197,6 +201,12 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _umask() -> int:
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
 
 
 def _diffusers_version() -> str:
