@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +20,9 @@ class ModelContext:
     scheduler_config: dict
     device: torch.device
     use_native_flow_schedule: bool
+    # The Wan VAE keeps per-call state on the module: the finisher's decodes and I2V encodes at admission
+    # must not interleave.
+    vae_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def layers(self) -> torch.nn.ModuleList:

@@ -107,17 +107,26 @@ class RequestJob:
                 image.load()
             except OSError as exc:
                 raise RequestFailed(f"cannot read image {r.image}: {exc}") from exc
-            out = ctx.helper.prepare_latents(
-                image=image,
-                num_frames=r.num_frames,
-                height=r.height,
-                width=r.width,
-                fps=r.fps,
-                generator=generator,
-                device=ctx.device,
-                dtype=torch.float32,
-            )
+            with ctx.vae_lock:
+                out = self._prepare_image_latents(image, generator)
             return out[0], out[5]
+        return self._noise_latents(generator)
+
+    def _prepare_image_latents(self, image, generator: torch.Generator):
+        r, ctx = self.request, self.ctx
+        return ctx.helper.prepare_latents(
+            image=image,
+            num_frames=r.num_frames,
+            height=r.height,
+            width=r.width,
+            fps=r.fps,
+            generator=generator,
+            device=ctx.device,
+            dtype=torch.float32,
+        )
+
+    def _noise_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        r, ctx = self.request, self.ctx
         # Without a conditioning image the reference encodes an all-zero video only to multiply it by a zero
         # mask: the latents are exactly the noise. Skip the encode (a full VAE pass at 720p) and draw it.
         from diffusers.utils.torch_utils import randn_tensor
@@ -228,7 +237,8 @@ class RequestJob:
         mean = helper._vae_latents_mean.to(device=latents.device, dtype=vae.dtype)
         inv_std = helper._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype)
         z_raw = latents.to(vae.dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
-        decoded = vae.decode(z_raw).sample.to(latents.dtype)
+        with self.ctx.vae_lock:
+            decoded = vae.decode(z_raw).sample.to(latents.dtype)
         frames = helper.video_processor.postprocess_video(decoded, output_type="np")[0]
         self.timings["decode_s"] = time.perf_counter() - start
         self.timings["latency_s"] = time.perf_counter() - self._started

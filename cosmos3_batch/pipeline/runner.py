@@ -13,6 +13,7 @@ Every pass, on every rank:
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from cosmos3_batch.engine.transport import Counters
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.finisher import Finisher
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
@@ -94,6 +96,8 @@ class PassRunner:
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
         self.totals = Counters()
         self._finished_since_sync = 0
+        self._lock = threading.Lock()
+        self.finisher = Finisher(self._report, ctx.device)
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:
@@ -101,12 +105,16 @@ class PassRunner:
         active: list[RequestJob] = []
         while True:
             active.extend(self._admit(queue, self.max_active - len(active)))
+            if not active:
+                self.finisher.drain()  # nothing left here: count our last outputs in this exchange
             local_und = any(job.needs_und for job in active)
-            total, und, finished = self.sync.exchange(len(active), local_und, self._finished_since_sync)
-            self._finished_since_sync = 0
+            with self._lock:
+                finished_here, self._finished_since_sync = self._finished_since_sync, 0
+            total, und, finished = self.sync.exchange(len(active), local_und, finished_here)
             if self.on_progress is not None and finished:
                 self.on_progress(finished)
             if total == 0:
+                self.finisher.close()
                 return
             # Start fetching the first part now, so the transfer overlaps the per-request embedding.
             self.weights.begin_pass(und)
@@ -115,8 +123,10 @@ class PassRunner:
             active = self._finish(active)
 
     def _report(self, job: RequestJob, result: Result | None, error: str | None) -> None:
-        self._finished_since_sync += 1
-        self.on_finished(job, result, error)
+        # Called from the loop (failures) and from the finisher thread (decoded results): one at a time.
+        with self._lock:
+            self._finished_since_sync += 1
+            self.on_finished(job, result, error)
 
     def _admit(self, queue: deque, free: int) -> list[RequestJob]:
         admitted = []
@@ -191,14 +201,13 @@ class PassRunner:
                 continue
             try:
                 job.finish_step()
-                if not job.done:
-                    still.append(job)
-                    continue
-                result = job.decode()
             except Exception as exc:
                 self._report(job, None, _describe(exc))
                 continue
-            self._report(job, result, None)
+            if job.done:
+                self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
+            else:
+                still.append(job)
         return still
 
 
