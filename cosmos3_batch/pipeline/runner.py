@@ -101,7 +101,13 @@ class PassRunner:
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:
-        queue = deque(requests)
+        try:
+            self._loop(deque(requests))
+        finally:
+            # Also when a peer died mid-run: requests already denoised here still get decoded and written.
+            self.finisher.close()
+
+    def _loop(self, queue: deque) -> None:
         active: list[RequestJob] = []
         while True:
             active.extend(self._admit(queue, self.max_active - len(active)))
@@ -114,7 +120,6 @@ class PassRunner:
             if self.on_progress is not None and finished:
                 self.on_progress(finished)
             if total == 0:
-                self.finisher.close()
                 return
             # Start fetching the first part now, so the transfer overlaps the per-request embedding.
             self.weights.begin_pass(und)
