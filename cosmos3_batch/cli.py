@@ -136,53 +136,16 @@ def plan(
     import json
 
     from cosmos3_batch import planner
-    from cosmos3_batch.config import parse_offload
-    from cosmos3_batch.schedule import assign, describe, in_shard, parse_shard
 
+    hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
     try:
-        if nproc < 1 or nnodes < 1 or nproc % nnodes:
-            raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
-        mode = parse_offload(offload)
-        requests, checkpoint = _plan_requests(prompts, model, max_vision_tokens)
-        if shard is not None:
-            index, count = parse_shard(shard)
-            requests = [r for r in requests if in_shard(r.id, index, count)]
+        doc, text = planner.plan_job(
+            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens
+        )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    assignment = assign(requests, nproc)
-    doc: dict = {
-        "requests": len(requests),
-        "ranks": [
-            {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
-            for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
-        ],
-        "predicted_idle_share": assignment.idle_share,
-        "total_work": sum(assignment.costs),
-    }
-    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
-    text.append(describe(assignment))
-    if checkpoint is not None:
-        import torch
-
-        hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
-        shape = planner.model_shape(checkpoint, nproc, torch.bfloat16)
-        tokens = planner.prompt_tokens(checkpoint, requests)
-        est = planner.estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
-        doc["estimate"] = est.to_dict()
-        text += ["", planner.describe(est)]
-    typer.echo(json.dumps(doc, indent=2) if json_out else "\n".join(text))
-
-
-def _plan_requests(prompts: Path, model: Path | None, max_vision_tokens: int):
-    from cosmos3_batch.model.loading import Checkpoint
-    from cosmos3_batch.pipeline.job import limits_for
-    from cosmos3_batch.requests import ModelLimits, load_requests
-
-    if model is None:
-        return load_requests(str(prompts), ModelLimits(max_vision_tokens=max_vision_tokens))[0], None
-    checkpoint = Checkpoint.open(model)
-    return load_requests(str(prompts), limits_for(checkpoint, max_vision_tokens))[0], checkpoint
+    typer.echo(json.dumps(doc, indent=2) if json_out else text)
 
 
 @app.command("make-tiny")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -280,3 +281,55 @@ def _size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def plan_job(
+    prompts: Path,
+    model: Path | None,
+    nproc: int,
+    nnodes: int,
+    offload: str,
+    max_active: int,
+    hw: Hardware,
+    shard: str | None = None,
+    max_vision_tokens: int = 65536,
+) -> tuple[dict, str]:
+    """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
+    from cosmos3_batch.config import parse_offload
+    from cosmos3_batch.pipeline.job import limits_for
+    from cosmos3_batch.requests import ModelLimits, load_requests
+    from cosmos3_batch.schedule import describe as describe_schedule
+    from cosmos3_batch.schedule import in_shard, parse_shard
+
+    if nproc < 1 or nnodes < 1 or nproc % nnodes:
+        raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
+    mode = parse_offload(offload)
+    checkpoint = Checkpoint.open(model) if model is not None else None
+    limits = (
+        limits_for(checkpoint, max_vision_tokens)
+        if checkpoint
+        else ModelLimits(max_vision_tokens=max_vision_tokens)
+    )
+    requests = load_requests(str(prompts), limits)[0]
+    if shard is not None:
+        index, count = parse_shard(shard)
+        requests = [r for r in requests if in_shard(r.id, index, count)]
+    assignment = assign(requests, nproc)
+    doc: dict = {
+        "requests": len(requests),
+        "ranks": [
+            {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
+            for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
+        ],
+        "predicted_idle_share": assignment.idle_share,
+        "total_work": sum(assignment.costs),
+    }
+    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
+    text.append(describe_schedule(assignment))
+    if checkpoint is not None:
+        shape = model_shape(checkpoint, nproc, torch.bfloat16)
+        tokens = prompt_tokens(checkpoint, requests)
+        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
+        doc["estimate"] = est.to_dict()
+        text += ["", describe(est)]
+    return doc, "\n".join(text)
