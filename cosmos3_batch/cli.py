@@ -162,6 +162,10 @@ def make_tiny(
     dtype: Annotated[
         str, typer.Option(help="Transformer weight dtype: float32, bfloat16 or float16.")
     ] = "float32",
+    vocab: Annotated[
+        int | None,
+        typer.Option(help="Embedding rows (default: the tokenizer's); extra rows are never-used padding."),
+    ] = None,
 ) -> None:
     """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline."""
     from cosmos3_batch.model.tiny import TinySpec, write_tiny
@@ -175,6 +179,7 @@ def make_tiny(
             kv_heads=kv_heads,
             intermediate=intermediate,
             dtype=dtype,
+            vocab=vocab,
         )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

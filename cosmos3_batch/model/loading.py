@@ -15,10 +15,13 @@ from pathlib import Path
 
 import torch
 
-from cosmos3_batch.engine.host import CheckpointFileError, TensorStore
+from cosmos3_batch.checkpoint import CheckpointFileError, TensorStore
 
 COMPONENTS = ("transformer", "vae", "scheduler", "text_tokenizer")
 NEVER_LOADED = ("lm_head.",)  # generation never reads the LM head (vocab x hidden: ~1.2 GB in Nano)
+# Only ever read, on the host (a lookup of a few hundred ids per prompt): a view of the node-shared page
+# cache, not a private copy in every rank (1.2 GB per rank in Nano, ~10 GB per 8-GPU node).
+HOST_SHARED = ("embed_tokens.weight",)
 
 
 class CheckpointError(ValueError):
@@ -63,9 +66,16 @@ class Checkpoint:
             raise CheckpointError(str(exc)) from exc
 
 
-def load_tensors(store: TensorStore, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    """Private copies of the wanted tensors (resident weights), read from the mapped files."""
-    return {name: store.tensor(name) for name in store.names() if wanted(name)}
+def load_tensors(
+    store: TensorStore, wanted: Callable[[str], bool], shared: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """The wanted tensors, read from the mapped files: private copies (resident weights, which move to the
+    device or get cast), except those named in `shared`, which stay read-only views of the map."""
+    return {
+        name: store.shared_tensor(name) if name in shared else store.tensor(name)
+        for name in store.names()
+        if wanted(name)
+    }
 
 
 def build_transformer_on_meta(config: dict):
@@ -117,7 +127,7 @@ def load_transformer(ckpt: Checkpoint, device: torch.device, with_layers: bool =
     def wanted(name: str) -> bool:
         return not name.startswith(NEVER_LOADED) and (with_layers or not name.startswith("layers."))
 
-    tensors = load_tensors(store, wanted)
+    tensors = load_tensors(store, wanted, HOST_SHARED)  # embed_tokens never moves to the device (below)
     where = str(ckpt.root / "transformer")
     if with_layers:
         fill_module(model, tensors, where)

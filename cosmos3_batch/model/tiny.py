@@ -41,6 +41,9 @@ class TinySpec:
     latent_channels: int = 16
     vae_dim: int = 8
     flow_shift: float = 5.0
+    # Rows of the embedding table (and LM head); None = the tokenizer's size. Rows past the tokenizer's are
+    # padding that no prompt ever reads: a large-vocabulary model (Nano: 1.2 GB of table) for memory tests.
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "latent_channels", "vae_dim"):
@@ -54,6 +57,16 @@ class TinySpec:
             raise ValueError(f"head dim hidden/heads = {self.hidden // self.heads} must be a multiple of 8")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.vocab is not None and self.vocab < (have := len(build_tokenizer())):
+            raise ValueError(f"--vocab must be at least the tokenizer's {have} tokens, got {self.vocab}")
+
+    def as_dict(self) -> dict:
+        """The spec as written to tiny_spec.json and hashed into the default model's folder name: `vocab`
+        only when set, so the default model's files and folder are what they were before it existed."""
+        out = asdict(self)
+        if out["vocab"] is None:
+            del out["vocab"]
+        return out
 
     @property
     def head_dim(self) -> int:
@@ -158,7 +171,8 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         torch_state = torch.random.get_rng_state()
         try:
             torch.manual_seed(spec.seed)
-            transformer = Cosmos3OmniTransformer(**transformer_config(spec, vocab_size=len(tokenizer)))
+            vocab = len(tokenizer) if spec.vocab is None else spec.vocab
+            transformer = Cosmos3OmniTransformer(**transformer_config(spec, vocab_size=vocab))
             vae = AutoencoderKLWan(**vae_config(spec, generator))
         finally:
             torch.random.set_rng_state(torch_state)
@@ -189,7 +203,7 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
             "use_native_flow_schedule": False,
         }
         (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
-        (tmp / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+        (tmp / "tiny_spec.json").write_text(json.dumps(spec.as_dict(), indent=2) + "\n")
         # mkdtemp (and safetensors) make owner-only entries: let other users of a shared cache read the model.
         umask = _umask()
         for entry in [tmp, *tmp.rglob("*")]:
@@ -222,7 +236,7 @@ def default_tiny_dir() -> Path:
     import diffusers
 
     root = Path(os.environ.get("COSMOS3_BATCH_CACHE", Path.home() / ".cache" / "cosmos3_batch"))
-    key = json.dumps([asdict(TinySpec()), torch.__version__, diffusers.__version__], sort_keys=True)
+    key = json.dumps([TinySpec().as_dict(), torch.__version__, diffusers.__version__], sort_keys=True)
     return root / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cosmos3_batch.engine.host import TensorStore
+from cosmos3_batch.checkpoint import TensorStore
 from cosmos3_batch.engine.layout import ParamSpec, build_part_layout
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta

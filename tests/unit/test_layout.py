@@ -9,13 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cosmos3_batch.engine.host import (
-    CheckpointFileError,
-    HostShards,
-    SafetensorsFile,
-    TensorStore,
-    local_sources,
-)
+from cosmos3_batch.checkpoint import CheckpointFileError, SafetensorsFile, TensorStore
+from cosmos3_batch.engine.host import HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
 
 F32, F16, BF16, I8 = torch.float32, torch.float16, torch.bfloat16, torch.int8
