@@ -38,14 +38,14 @@ def main() -> None:
         engine.begin_pass(order)
         for index in order:
             engine.acquire(index)
-    engine.counters.take()
-    start = time.perf_counter()
+        engine.end_pass()
+    start, stall = time.perf_counter(), 0.0
     for _ in range(args.passes):
         engine.begin_pass(order)
         for index in order:
             engine.acquire(index)
+        stall += engine.end_pass().stall_s
     total = time.perf_counter() - start
-    stall = engine.counters.take().stall_s
     parts = args.passes * len(order)
     part_bytes = sum(layout.nbytes for layout in engine.layouts) / len(order)
     print(f"{len(order)} parts of {part_bytes / 1024:.0f} KiB, {args.passes} passes, mode {args.mode}")

@@ -184,7 +184,7 @@ def h2d_gbps(nbytes: int, device, pinned: bool, reps: int = 5) -> float:
     from cosmos3_batch.engine.cuda_backend import PinnedRegion
 
     host = torch.ones(nbytes, dtype=torch.uint8)  # touched: first-touch page faults are not transfer time
-    region = PinnedRegion(host) if pinned else None
+    region = PinnedRegion.of_tensor(host) if pinned else None
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     try:
         dst.copy_(host, non_blocking=pinned)
@@ -298,8 +298,8 @@ def engine_weights(mode: str, layers, root: Path, count: int, device, shape: Lay
 
     import torch
 
+    from cosmos3_batch.checkpoint import TensorStore
     from cosmos3_batch.dist import World
-    from cosmos3_batch.engine.host import TensorStore
     from cosmos3_batch.engine.transport import OffloadMode
     from cosmos3_batch.pipeline.weights import build_weights
 

@@ -1,28 +1,34 @@
-"""The DLO engine's face: an ordered list of layer parts, fetched one ahead into two slots.
+"""The DLO engine's face: an ordered list of layer parts, fetched ahead into per-lane device slots.
 
-Model-agnostic: a part is a key and the (module, parameter name, checkpoint name) triples it owns.
-Usage per pass: `begin_pass(order)` with the part indices the pass will compute, then `acquire(i)`
-for each in that order: it waits for part i, re-points its parameters at the slot, and starts the
-fetch of the next part into the other slot, so transfer k+1 overlaps compute k.
+Model-agnostic: a part is a key, a lane and the (module, parameter name, checkpoint name) triples it owns.
+Usage per pass: `begin_pass(order, prefetch)` with the part indices the pass will compute (and the parts
+the *next* pass is known to start with), then `acquire(i)` for each in that order: it waits for part i,
+re-points its parameters at the slot, frees the slot of the part before it and issues every fetch that
+now has a free slot (slots.py decides which), so transfers overlap compute. `end_pass()` returns the
+pass's counters: bytes and fetches counted on this thread when parts are consumed (exact, whatever is in
+flight), times from the backend (wall clock on CPU, CUDA events on the GPU).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from cosmos3_batch.engine.host import CheckpointFileError, HostShards, TensorStore, local_sources
+from cosmos3_batch.checkpoint import CheckpointFileError, TensorStore
+from cosmos3_batch.engine.host import HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
-from cosmos3_batch.engine.transport import Counters, CpuBackend, FetchSource, OffloadMode
+from cosmos3_batch.engine.slots import SlotScheduler
+from cosmos3_batch.engine.transport import Counters, CpuBackend, FetchSource, OffloadMode, fetch_bytes
 
 
 @dataclass(frozen=True)
 class PartBinding:
     key: str
     params: tuple[tuple[torch.nn.Module, str, str], ...]  # (owning module, leaf name, checkpoint name)
+    lane: str = "main"  # parts of one lane share that lane's slots (see slots.py)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class OffloadConfig:
     rank: int = 0
     world_size: int = 1
     align: int = ALIGN
+    lane_slots: tuple[tuple[str, int], ...] = ()  # (lane, slots); a lane not named gets two
+    close_timeout_s: float = 60.0  # close() waits this long for fetches in flight, never forever
 
     def __post_init__(self) -> None:
         if self.mode is OffloadMode.RESIDENT:
@@ -77,25 +85,31 @@ class LayerOffload:
         else:
             shard_device = device if config.mode is OffloadMode.SHARDED else None
             source.host = HostShards(self.layouts, store, config.rank, shard_device)
-        slot_bytes = max(layout.nbytes for layout in self.layouts)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.source = source
+        self.scheduler = SlotScheduler([b.lane for b in bindings], dict(config.lane_slots))
+        self.slot_bytes = slot_sizes(self.layouts, [b.lane for b in bindings], dict(config.lane_slots))
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for size in self.slot_bytes]
         self.counters = Counters()
         self.backend = self._make_backend(source)
+        lanes = self.scheduler.slot_lane
         self._views = [
-            [self._param_views(b, layout, slot) for slot in self.slots]
+            {
+                s: self._param_views(b, layout, self.slots[s])
+                for s in range(len(self.slots))
+                if lanes[s] == b.lane
+            }
             for b, layout in zip(bindings, self.layouts, strict=True)
         ]
         self._order: list[int] = []
         self._pos = 0
-        self._pending: dict[int, tuple[int, object]] = {}
-        self._next_slot = 0
+        self._handles: dict[int, object] = {}  # part -> backend handle of its fetch in flight
 
     def _make_backend(self, source: FetchSource):
         if self.device.type == "cuda":
             from cosmos3_batch.engine.cuda_backend import CudaBackend
 
-            return CudaBackend(source, self.slots, self.counters, self.device)
-        return CpuBackend(source, self.slots, self.counters)
+            return CudaBackend(source, self.slots, self.device)
+        return CpuBackend(source, self.slots)
 
     def _verify_digest(self) -> None:
         if self.config.world_size == 1:
@@ -120,35 +134,72 @@ class LayerOffload:
             views.append((module._parameters, leaf, torch.nn.Parameter(tensor, requires_grad=False)))
         return views
 
-    def begin_pass(self, order: list[int]) -> None:
-        assert not self._pending, "previous pass left fetches in flight"
-        self._order, self._pos = order, 0
-        if order:
-            self._submit(order[0])
+    def begin_pass(self, order: Sequence[int], prefetch: Sequence[int] = ()) -> None:
+        """Start a pass over `order`. `prefetch`: parts the next pass will begin with in their lane (fetched
+        as soon as a slot frees, possibly before this pass ends); the next `order` must start with them."""
+        if self._pos != len(self._order):
+            raise RuntimeError("begin_pass before the previous pass acquired all its parts")
+        ahead = {lane: self.scheduler.outstanding(lane) for lane in self.scheduler.slot_lane}
+        for lane, parts in ahead.items():
+            in_order = [p for p in order if self.scheduler.lane_of[p] == lane][: len(parts)]
+            if in_order != parts:
+                raise RuntimeError(f"lane '{lane}': prefetched parts {parts} are not where this pass starts")
+        early = {p for parts in ahead.values() for p in parts}
+        self._order, self._pos = list(order), 0
+        for part in [*(p for p in order if p not in early), *prefetch]:
+            self.scheduler.want(part)
+        self._pump()
 
-    def _submit(self, index: int) -> None:
-        slot = self._next_slot
-        self._next_slot ^= 1
-        # Every compute that read this slot (two parts ago) has been issued by now: fence it, so the fetch
-        # cannot overwrite weights still in use (a no-op on CPU, an event on CUDA).
-        self.backend.release(slot)
-        self._pending[index] = (slot, self.backend.submit(index, slot))
+    def _pump(self) -> None:
+        for part, slot in self.scheduler.pump():
+            self._handles[part] = self.backend.submit(part, slot)
 
     def acquire(self, index: int) -> None:
-        """Block compute until part `index` is in its slot, point its parameters there, prefetch the next."""
-        assert self._pos < len(self._order) and self._order[self._pos] == index, "parts acquired out of order"
-        slot, handle = self._pending.pop(index)
-        start = time.perf_counter()
-        self.backend.wait(handle, slot)
-        self.counters.stall_s += time.perf_counter() - start
+        """Block compute until part `index` is in its slot, point its parameters there, fetch ahead."""
+        if self._pos >= len(self._order) or self._order[self._pos] != index:
+            raise RuntimeError(
+                f"part {index} acquired out of order (pass order {self._order}, at {self._pos})"
+            )
+        slot, freed = self.scheduler.acquire(index)
+        if freed is not None:
+            # Everything that reads the freed slot (the part before this one) has been issued on the
+            # compute stream by now: fence it, so a fetch cannot overwrite weights still in use (a no-op on
+            # CPU, an event on CUDA).
+            self.backend.release(freed)
+        self.backend.wait(self._handles.pop(index), slot)
+        h2d, gathered = fetch_bytes(self.source, index)
+        self.counters.h2d_bytes += h2d
+        self.counters.gathered_bytes += gathered
+        self.counters.fetches += 1
         for params, leaf, param in self._views[index][slot]:
             params[leaf] = param
         self._pos += 1
-        if self._pos < len(self._order):
-            self._submit(self._order[self._pos])
+        self._pump()
+
+    def end_pass(self) -> Counters:
+        """Called once after the pass's last part was computed (issued): frees its slot, starts what can
+        start, and returns this pass's counters (on CUDA, times of passes whose events have completed)."""
+        freed = self.scheduler.end_pass()
+        if freed is not None:
+            self.backend.release(freed)  # the last part's compute is issued: same fence as in acquire
+        self.backend.end_pass(self.counters)
+        self._pump()
+        return self.counters.take()
 
     def close(self) -> None:
-        self.backend.close()
+        # Fetches still in flight (the next pass's prefetch at the end of a run) are issued on every rank
+        # alike, so they complete; a dead peer is why close() waits with a deadline, never forever.
+        self.backend.close(self.config.close_timeout_s)
+
+
+def slot_sizes(layouts: list[PartLayout], lanes: list[str], lane_slots: dict[str, int]) -> list[int]:
+    """Bytes of each device slot, in slot order: a lane's slots are sized to its largest part. The sum is
+    the engine's device memory for weights (planner.py: add these, not 2 x the largest part)."""
+    scheduler = SlotScheduler(lanes, lane_slots)
+    largest: dict[str, int] = {}
+    for layout, lane in zip(layouts, lanes, strict=True):
+        largest[lane] = max(largest.get(lane, 0), layout.nbytes)
+    return [largest[lane] for lane in scheduler.slot_lane]
 
 
 __all__ = ["CheckpointFileError", "LayerOffload", "OffloadConfig", "OffloadMode", "PartBinding"]

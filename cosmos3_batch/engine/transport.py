@@ -1,18 +1,21 @@
-"""Two device slots; part k+1 is fetched (copy own shard + AllGather in place) while part k computes.
+"""Device slots filled ahead of compute (copy own shard + AllGather in place), as slots.py schedules.
 
 What a fetch does is the same on every backend (`fill_slot`); *where* it runs differs:
 
 * CPU (tests, this machine): one background worker thread runs fetches in submission order. Gathers
   go to their own gloo group, so they never interleave with the main group's per-pass all-reduce.
+  Times are wall clock, measured on the compute thread (stall, compute) and the worker (collective).
 * CUDA (`cuda_backend.py`): the copy runs on a copy stream, the gather on a comm stream, and compute
-  waits on the part's event. Nothing blocks the host; nothing synchronizes the device.
+  waits on the part's event. Nothing blocks the host; nothing synchronizes the device. Times come from
+  CUDA events, read once per pass.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
 import torch
@@ -20,6 +23,8 @@ import torch.distributed as dist
 
 from cosmos3_batch.engine.host import HostShards
 from cosmos3_batch.engine.layout import PartLayout
+
+log = logging.getLogger(__name__)
 
 
 class OffloadMode(StrEnum):
@@ -31,19 +36,37 @@ class OffloadMode(StrEnum):
 
 @dataclass
 class Counters:
-    """Per rank, reset every pass by the runner."""
+    """Per rank, per pass (`LayerOffload.end_pass` returns them and starts the next pass from zero).
+
+    Bytes and fetches count the parts the pass consumed. On CUDA the times are device times from event
+    pairs (the compute stream's idle wait for a part, the comm stream's gathers, the copy stream's H2D,
+    the compute stream between waits), read without a sync once their pass's events have completed: a
+    pass's times may arrive with a later pass's counters, never lost, never twice.
+    """
 
     h2d_bytes: int = 0  # host -> device (on CPU: host arena/mmap -> slot)
     gathered_bytes: int = 0  # received from other ranks by AllGather (part bytes minus own shard)
     stall_s: float = 0.0  # compute waited for a part to arrive
-    collective_s: float = 0.0  # inside gather calls (worker thread / comm stream issue)
+    collective_s: float = 0.0  # inside gathers (CPU: the worker's calls; CUDA: comm-stream time)
+    compute_s: float = 0.0  # computing layer parts (from the end of one wait to the start of the next)
+    h2d_s: float = 0.0  # host -> device copies (CUDA: copy-stream time; CPU: worker wall clock)
     fetches: int = 0
 
     def take(self) -> Counters:
         snapshot = Counters(**vars(self))
-        self.h2d_bytes = self.gathered_bytes = self.fetches = 0
-        self.stall_s = self.collective_s = 0.0
+        for f in fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
         return snapshot
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def stall_share(self) -> float:
+        """Share of the layer walk that compute spent waiting for weights (0 when nothing was timed)."""
+        busy = self.stall_s + self.compute_s
+        return self.stall_s / busy if busy > 0 else 0.0
 
 
 @dataclass
@@ -59,64 +82,111 @@ class FetchSource:
     local: list[list[tuple[torch.Tensor, int]]] = field(default_factory=list)  # local: (mmap bytes, offset)
 
 
-def copy_in(
-    src: FetchSource, index: int, slot: torch.Tensor, counters: Counters, non_blocking: bool = False
-) -> None:
+def fetch_bytes(src: FetchSource, index: int) -> tuple[int, int]:
+    """(host -> device bytes, bytes received by AllGather) of one fetch of part `index` on this rank."""
+    layout = src.layouts[index]
+    if src.mode is OffloadMode.LOCAL:
+        return layout.payload_bytes, 0
+    gathered = layout.nbytes - layout.shard_bytes if src.world_size > 1 else 0
+    return (layout.shard_bytes if src.mode is OffloadMode.ALLGATHER else 0), gathered
+
+
+def copy_in(src: FetchSource, index: int, slot: torch.Tensor, non_blocking: bool = False) -> None:
     """Host -> slot: our own shard into our own range (allgather), or the whole part (local)."""
     layout = src.layouts[index]
     buf = slot[: layout.nbytes]
     if src.mode is OffloadMode.LOCAL:
         for data, offset in src.local[index]:
             buf[offset : offset + data.numel()].copy_(data, non_blocking=non_blocking)
-        counters.h2d_bytes += layout.payload_bytes
     elif src.mode is OffloadMode.ALLGATHER:
         lo, hi = layout.shard_range(src.rank)
         buf[lo:hi].copy_(src.host.shard(index), non_blocking=non_blocking)
-        counters.h2d_bytes += layout.shard_bytes
     elif src.world_size == 1:  # sharded, alone: the "gather" is a device-local copy
         buf.copy_(src.host.shard(index), non_blocking=non_blocking)
 
 
-def gather(src: FetchSource, index: int, slot: torch.Tensor, counters: Counters) -> None:
+def _all_gather_op():
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns FutureWarning on
+    # every call, so once per rank per part); torch 2.11 (the GPU image) has only the old name.
+    single = getattr(dist, "all_gather_single", None)
+    return single if single is not None else dist.all_gather_into_tensor
+
+
+ALL_GATHER = _all_gather_op()
+
+
+def gathers(src: FetchSource) -> bool:
+    return src.mode is not OffloadMode.LOCAL and src.world_size > 1
+
+
+def gather(src: FetchSource, index: int, slot: torch.Tensor) -> None:
     """Rebuild the part on every rank: one AllGather, in place for allgather (input = own slice)."""
-    if src.mode is OffloadMode.LOCAL or src.world_size == 1:
+    if not gathers(src):
         return
     layout = src.layouts[index]
     buf = slot[: layout.nbytes]
     lo, hi = layout.shard_range(src.rank)
     shard = buf[lo:hi] if src.mode is OffloadMode.ALLGATHER else src.host.shard(index)
+    ALL_GATHER(buf, shard, group=src.group)
+
+
+def fill_slot(src: FetchSource, index: int, slot: torch.Tensor) -> tuple[float, float]:
+    """Make the slot hold part `index` on this rank; issues the same collective on every rank.
+    Returns wall-clock seconds (copy, gather)."""
     start = time.perf_counter()
-    dist.all_gather_into_tensor(buf, shard, group=src.group)
-    counters.collective_s += time.perf_counter() - start
-    counters.gathered_bytes += layout.nbytes - layout.shard_bytes
-
-
-def fill_slot(src: FetchSource, index: int, slot: torch.Tensor, counters: Counters) -> None:
-    """Make the slot hold part `index` on this rank. Issues the same collective on every rank."""
-    copy_in(src, index, slot, counters)
-    gather(src, index, slot, counters)
-    counters.fetches += 1
+    copy_in(src, index, slot)
+    copied = time.perf_counter()
+    if not gathers(src):
+        return copied - start, 0.0
+    gather(src, index, slot)
+    return copied - start, time.perf_counter() - copied
 
 
 class CpuBackend:
     """Fetches on one worker thread, in order: the CPU stand-in for the copy and comm streams."""
 
-    def __init__(self, source: FetchSource, slots: list[torch.Tensor], counters: Counters):
+    def __init__(self, source: FetchSource, slots: list[torch.Tensor]):
         self.source = source
         self.slots = slots
-        self.counters = counters
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-fetch")
+        self._times = Counters()  # this pass's times, touched only by the compute thread
+        self._compute_from: float | None = None
+        self._inflight: list[Future] = []
 
     def submit(self, index: int, slot: int) -> Future:
-        # The slot is free: the part that last used it finished computing before this call (CPU compute
-        # is synchronous on the main thread), so the worker may overwrite it.
-        return self._worker.submit(fill_slot, self.source, index, self.slots[slot], self.counters)
+        # The slot is free: the part that last used it finished computing before it was released (CPU
+        # compute is synchronous on the main thread), so the worker may overwrite it.
+        future = self._worker.submit(fill_slot, self.source, index, self.slots[slot])
+        self._inflight = [f for f in self._inflight if not f.done()] + [future]
+        return future
 
     def wait(self, handle: Future, slot: int) -> None:
-        handle.result()  # re-raises a failed gather here, on the compute thread
+        start = time.perf_counter()
+        if self._compute_from is not None:
+            self._times.compute_s += start - self._compute_from
+        copy_s, gather_s = handle.result()  # re-raises a failed gather here, on the compute thread
+        self._compute_from = time.perf_counter()
+        self._times.stall_s += self._compute_from - start
+        self._times.h2d_s += copy_s
+        self._times.collective_s += gather_s
 
     def release(self, slot: int) -> None:
         pass  # compute on CPU is finished when the main thread moves on
 
-    def close(self) -> None:
+    def end_pass(self, counters: Counters) -> None:
+        if self._compute_from is not None:
+            self._times.compute_s += time.perf_counter() - self._compute_from
+            self._compute_from = None
+        counters.add(self._times.take())
+
+    def close(self, timeout_s: float) -> None:
+        _, stuck = wait(self._inflight, timeout=timeout_s)
+        if stuck:
+            # A gather whose peer died: its thread cannot be interrupted; do not join it (the process is
+            # exiting with an error anyway).
+            log.warning(
+                "%d fetch(es) still in flight after %.0f s: not waiting for them", len(stuck), timeout_s
+            )
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            return
         self._worker.shutdown(wait=True)

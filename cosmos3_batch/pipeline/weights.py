@@ -31,7 +31,13 @@ class ResidentWeights:
 
 
 class OffloadedWeights:
-    """Layer parts fetched by the engine, in the same order on every rank: [UND_l, ] GEN_l for each l."""
+    """Layer parts fetched by the engine, in the same order on every rank: [UND_l, ] GEN_l for each l.
+
+    UND and GEN parts are separate engine lanes (two GEN slots, one UND slot), so on a UND pass the next
+    GEN part is in flight while UND computes (see engine/slots.py). Every pass starts with GEN part 0, so
+    it is asked for as the pass's last prefetch: it is fetched while this pass's last layers compute and
+    the runner finishes the pass, exchanges and embeds (on every rank alike: the gathers stay in step).
+    """
 
     def __init__(self, engine: LayerOffload, layers: torch.nn.ModuleList):
         self.engine = engine
@@ -41,16 +47,19 @@ class OffloadedWeights:
             True: [part_index(i, p) for i in range(n) for p in (UND, GEN)],
             False: [part_index(i, GEN) for i in range(n)],
         }
+        self._next_head = [part_index(0, GEN)] if n else []
 
     def begin_pass(self, und: bool) -> None:
-        self.engine.begin_pass(self._orders[und])
+        self.engine.begin_pass(self._orders[und], prefetch=self._next_head)
 
     def layer(self, index: int, part: str) -> torch.nn.Module:
         self.engine.acquire(part_index(index, part))
         return self.layers[index]
 
     def end_pass(self) -> Counters:
-        return self.engine.counters.take()
+        """Once per pass, after its last layer: this pass's bytes and fetches, and (CUDA) the event times
+        of every pass whose events have completed, read without a device sync."""
+        return self.engine.end_pass()
 
     def close(self) -> None:
         self.engine.close()
@@ -59,7 +68,11 @@ class OffloadedWeights:
 def build_weights(layers: torch.nn.ModuleList, checkpoint: Checkpoint, mode: OffloadMode, world: World):
     if mode is OffloadMode.RESIDENT:
         return ResidentWeights(layers)
-    bindings = [PartBinding(key, tuple(params)) for key, params in layer_parts(layers)]
-    config = OffloadConfig(mode=mode, rank=world.rank, world_size=world.world_size)
+    bindings = [
+        PartBinding(key, tuple(params), lane=key.rsplit(".", 1)[1]) for key, params in layer_parts(layers)
+    ]
+    config = OffloadConfig(
+        mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=((GEN, 2), (UND, 1))
+    )
     engine = LayerOffload(bindings, checkpoint.store("transformer"), config, world.device, world.gather_group)
     return OffloadedWeights(engine, layers)

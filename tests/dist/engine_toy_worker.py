@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from cosmos3_batch.engine.host import TensorStore
+from cosmos3_batch.checkpoint import TensorStore
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
 from cosmos3_batch.engine.transport import OffloadMode
 
@@ -61,7 +61,7 @@ def bindings(model: nn.ModuleList) -> list[PartBinding]:
                 (part, "vec", f"layers.{i}.{key}.vec"),
                 (part, "one", f"layers.{i}.{key}.one"),
             )
-            out.append(PartBinding(f"{i}.{key}", params))
+            out.append(PartBinding(f"{i}.{key}", params, lane=key))
     return out
 
 
@@ -82,12 +82,15 @@ def run_mode(mode: str, folder: Path, shapes: dict, rank: int, world_size: int) 
         model = build_model(shapes)
     binds = bindings(model)
     group = dist.new_group(backend="gloo")  # gathers on their own group, as the runner does
-    config = OffloadConfig(OffloadMode(mode), rank, world_size)
+    # As the runner configures it: two GEN slots and one UND slot.
+    config = OffloadConfig(OffloadMode(mode), rank, world_size, lane_slots=(("gen", 2), ("und", 1)))
     engine = LayerOffload(binds, TensorStore(folder), config, torch.device("cpu"), group)
     passes = []
     try:
         for order in ORDERS:
-            engine.begin_pass(order)
+            # Every pass starts with GEN part 1 (layer 0): prefetched while the pass before ends, as the
+            # runner's weights do; the last pass's prefetch is still in flight at close().
+            engine.begin_pass(order, prefetch=[1])
             wrong = []
             for index in order:
                 engine.acquire(index)
@@ -101,7 +104,7 @@ def run_mode(mode: str, folder: Path, shapes: dict, rank: int, world_size: int) 
                 # clone(): an allocator-aligned copy, like the slot (a GEMV's rounding depends on alignment).
                 if not torch.equal(lin(x), F.linear(x, truth[name].clone())):
                     wrong.append(f"forward {binds[index].key}")
-            counters = engine.counters.take()
+            counters = engine.end_pass()
             passes.append({"order": order, "wrong": wrong, "counters": vars(counters)})
     finally:
         engine.close()

@@ -47,7 +47,7 @@ def test_pinned_region_registers_exactly(tmp_path):
     from cosmos3_batch.engine.cuda_backend import PinnedRegion
 
     arena = torch.zeros(3 * 2**20 + 17, dtype=torch.uint8)  # not a power of two on purpose
-    region = PinnedRegion(arena)
+    region = PinnedRegion.of_tensor(arena)
     assert arena.is_pinned()
     region.close()
     assert not arena.is_pinned()
