@@ -30,6 +30,7 @@ from cosmos3_batch.engine.transport import Counters, FetchSource, OffloadMode, c
 log = logging.getLogger(__name__)
 KIND_FIELD = {"stall": "stall_s", "compute": "compute_s", "gather": "collective_s", "copy": "h2d_s"}
 STAGING_THREADS = 8  # host threads filling a staging buffer when the mapped file cannot be registered
+STAGING_CHUNK = 16 << 20  # bytes one staging thread copies at a time
 
 
 @dataclass
@@ -225,6 +226,6 @@ class CudaBackend:
         self._pinned = []
 
 
-def _chunks(nbytes: int, chunk: int = 16 << 20) -> list[tuple[int, int]]:
-    """Byte ranges of at most `chunk` bytes: the unit one staging thread copies."""
-    return [(lo, min(lo + chunk, nbytes)) for lo in range(0, nbytes, chunk)]
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    """Byte ranges of at most STAGING_CHUNK bytes: the unit one staging thread copies."""
+    return [(lo, min(lo + STAGING_CHUNK, nbytes)) for lo in range(0, nbytes, STAGING_CHUNK)]
