@@ -16,6 +16,19 @@ import torch.distributed as dist
 
 CPU = torch.device("cpu")
 
+# A dead peer must reach Python as an exception (so the finisher's decoded outputs still get written and
+# the survivor exits "peer rank died"), not as an abort inside ProcessGroupNCCL's watchdog thread.
+# TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 = TearDown and 3 = SkipCleanUp (torch's default) kill the process
+# from the watchdog with no Python exception; 2 = CleanUpOnly aborts the failed communicators and makes
+# the pending and next collectives raise in the calling thread. We choose 2. torchrun's agent injects "1"
+# into every worker when its own environment lacks the variable, so under torchrun "1" is read as "not
+# chosen by the user"; COSMOS3_BATCH_NCCL_ERROR_HANDLING, when set, wins over both.
+NCCL_ERROR_HANDLING = "2"
+# Expandable segments: the finisher's side stream (VAE decode) and the compute stream would otherwise
+# keep separate fixed-size segments, and a 720p/189-frame decode reserves tens of GB next to them.
+# Read once, when CUDA's caching allocator starts: set before anything touches CUDA.
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
 
 @dataclass
 class World:
@@ -61,8 +74,23 @@ def pick_device(choice: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def configure_process_env(environ: dict | None = None) -> None:
+    """Process-wide settings CUDA and NCCL read once at start; only where the user has not chosen."""
+    env = os.environ if environ is None else environ
+    if "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_ALLOC_CONF
+    ours = env.get("COSMOS3_BATCH_NCCL_ERROR_HANDLING")
+    current = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    if ours is not None:
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = ours
+    elif current is None or (current == "1" and "TORCHELASTIC_RUN_ID" in env):
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
+
+
 def init_world(device_choice: str, timeout_s: float) -> World:
     """From torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); a plain process is a world of one."""
+    # First: the allocator and NCCL read these when they start (pick_device below initializes CUDA).
+    configure_process_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -38,7 +38,10 @@ class OffloadConfig:
     world_size: int = 1
     align: int = ALIGN
     lane_slots: tuple[tuple[str, int], ...] = ()  # (lane, slots); a lane not named gets two
-    close_timeout_s: float = 60.0  # close() waits this long for fetches in flight, never forever
+    # close() waits this long for fetches in flight, never forever. Short: a normal end has at most the next
+    # pass's prefetch in flight (issued on every rank, so it completes); after a peer died, the survivor
+    # must exit within --collective-timeout-s + 30 s.
+    close_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode is OffloadMode.RESIDENT:
@@ -184,6 +187,13 @@ class LayerOffload:
             self.backend.release(freed)  # the last part's compute is issued: same fence as in acquire
         self.backend.end_pass(self.counters)
         self._pump()
+        return self.counters.take()
+
+    def collect(self) -> Counters:
+        """Between passes: the times of ended passes not read yet because their events had not completed.
+        For benchmarks and tests after their final synchronize; the runner needs none (every end_pass
+        returns what has completed by then, and nothing is lost)."""
+        self.backend.end_pass(self.counters)  # an empty pass, then every completed one is read
         return self.counters.take()
 
     def close(self) -> None:
