@@ -26,6 +26,9 @@ class ResidentWeights:
     def end_pass(self) -> Counters:
         return Counters()
 
+    def collect(self) -> Counters:
+        return Counters()
+
     def close(self) -> None:
         pass
 
@@ -60,6 +63,10 @@ class OffloadedWeights:
         """Once per pass, after its last layer: this pass's bytes and fetches, and (CUDA) the event times
         of every pass whose events have completed, read without a device sync."""
         return self.engine.end_pass()
+
+    def collect(self) -> Counters:
+        """Between passes, after a device synchronize (benchmarks): times no end_pass could read yet."""
+        return self.engine.collect()
 
     def close(self) -> None:
         self.engine.close()
