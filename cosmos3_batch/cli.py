@@ -195,6 +195,24 @@ def make_tiny(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def report(
+    out: Annotated[Path, typer.Argument(help="A run's --out folder.")],
+    page_size: Annotated[int, typer.Option(help="Outputs per HTML page.")] = 300,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar while thumbnails are made.")] = True,
+) -> None:
+    """Write OUT/report.html: a thumbnail, prompt and settings per output (failures with their error) and
+    the run's pass timeline, occupancy, stall and bytes moved. Opens offline; pages of --page-size."""
+    from cosmos3_batch.io.report import write_report
+
+    try:
+        path = write_report(out, page_size, progress)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     for noisy in ("diffusers", "transformers"):

@@ -265,5 +265,10 @@ def ensure_default_tiny() -> Path:
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "model_index.json").exists():
+            import logging
+
+            logging.getLogger("cosmos3_batch").info(
+                "building the built-in tiny model in %s (first use only; a few seconds)", path
+            )
             write_tiny(path, TinySpec(), overwrite=False)
     return path

@@ -394,6 +394,7 @@ def _summary(cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: 
         "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
         "ranks": ranks,
         "config": {
+            "prompts": str(cfg.prompts.resolve()),
             "model": str(plan.model_dir),
             "max_active": cfg.max_active,
             "offload": cfg.offload.value,

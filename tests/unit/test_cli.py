@@ -302,3 +302,14 @@ def test_rerun_with_nothing_to_do_names_the_skipped_and_loads_nothing(job, tiny_
     assert "2 already complete: img, vid" in caplog.text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped_complete_ids"] == ["img", "vid"]
+
+
+def test_every_command_and_flag_has_help():
+    import typer.main
+
+    group = typer.main.get_command(app)
+    assert set(group.commands) >= {"run", "plan", "make-tiny", "report"}
+    for name, command in group.commands.items():
+        assert command.help, name
+        for param in command.params:
+            assert getattr(param, "help", None), (name, param.name)
