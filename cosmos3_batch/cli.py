@@ -74,7 +74,8 @@ def run(
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded)."""
+    """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
+    130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
     from cosmos3_batch.config import ConfigError, make_config
     from cosmos3_batch.pipeline.job import BadInput, run_job
 
@@ -150,7 +151,12 @@ def plan(
 
 @app.command("make-tiny")
 def make_tiny(
-    dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to (replaced if it exists).")],
+    dir: Annotated[
+        Path,
+        typer.Argument(
+            help="Folder to write the checkpoint to: must be new, empty or an earlier make-tiny output."
+        ),
+    ],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 2,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
@@ -166,9 +172,13 @@ def make_tiny(
         int | None,
         typer.Option(help="Embedding rows (default: the tokenizer's); extra rows are never-used padding."),
     ] = None,
+    force: Annotated[
+        bool, typer.Option(help="Replace DIR even if it is a non-empty folder make-tiny did not write.")
+    ] = False,
 ) -> None:
-    """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline."""
-    from cosmos3_batch.model.tiny import TinySpec, write_tiny
+    """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline.
+    Exit 2 (and nothing changed) for bad flags or a DIR that holds something else."""
+    from cosmos3_batch.model.tiny import FolderNotOurs, TinySpec, check_replaceable, write_tiny
 
     try:
         spec = TinySpec(
@@ -181,10 +191,30 @@ def make_tiny(
             dtype=dtype,
             vocab=vocab,
         )
-    except ValueError as exc:
+        if not force:
+            check_replaceable(dir)
+    except (ValueError, FolderNotOurs) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     path = write_tiny(dir, spec)
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+def report(
+    out: Annotated[Path, typer.Argument(help="A run's --out folder.")],
+    page_size: Annotated[int, typer.Option(help="Outputs per HTML page.")] = 300,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar while thumbnails are made.")] = True,
+) -> None:
+    """Write OUT/report.html: a thumbnail, prompt and settings per output (failures with their error) and
+    the run's pass timeline, occupancy, stall and bytes moved. Opens offline; pages of --page-size."""
+    from cosmos3_batch.io.report import write_report
+
+    try:
+        path = write_report(out, page_size, progress)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"wrote {path}")
 
 

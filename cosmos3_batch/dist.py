@@ -1,8 +1,10 @@
 """Process-level facts: rank, world, device, process groups and their timeouts, teardown.
 
-Two groups: the main one carries the per-pass all-reduce (and start/end bookkeeping); the gather group
-carries only layer AllGathers, issued by the engine's fetch worker (CPU) or comm stream (CUDA). Keeping
-them apart means a gather in flight never interleaves with a main-group call on the same communicator.
+Groups: the main one carries start/end bookkeeping; the gather group carries only layer AllGathers,
+issued by the engine's fetch worker (CPU) or comm stream (CUDA): keeping them apart means a gather in
+flight never interleaves with a main-group call on the same communicator. The exchange group carries the
+per-pass all-reduce of four integers on the host: gloo always (the main group itself under gloo), so the
+pass loop never waits for the device to learn who is active.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class World:
     device: torch.device = CPU
     main_group: object | None = None
     gather_group: object | None = None
+    exchange_group: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -102,7 +105,10 @@ def init_world(device_choice: str, timeout_s: float) -> World:
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     gather_group = dist.new_group(backend=backend, timeout=timeout)
-    return World(rank, world_size, local_rank, device, dist.group.WORLD, gather_group)
+    exchange_group = (
+        dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    )
+    return World(rank, world_size, local_rank, device, dist.group.WORLD, gather_group, exchange_group)
 
 
 def teardown(world: World) -> None:

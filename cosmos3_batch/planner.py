@@ -24,6 +24,8 @@ from cosmos3_batch.requests import Request
 from cosmos3_batch.schedule import assign, vision_tokens
 
 GB = 1e9
+IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
+MIN_PASS_S = 1e-3  # the roofline cannot resolve faster passes
 
 
 @dataclass(frozen=True)
@@ -227,9 +229,14 @@ def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
             f"host memory {host_node / 2**30:.1f} GiB per node > --host-gib {hw.host_gib_per_node:g}: "
             "use more nodes (--nnodes) so each rank keeps a smaller shard"
         )
-    if est.idle_share > 0.25:
-        notes.append(f"predicted idle share {est.idle_share:.0%}: fewer ranks, or more requests per rank")
     return notes
+
+
+def idle_warning(idle_share: float) -> str | None:
+    """Shown with or without --model: the schedule alone predicts it."""
+    if idle_share > IDLE_WARN_SHARE:
+        return f"predicted idle share {idle_share:.0%}: fewer ranks, or more requests per rank"
+    return None
 
 
 def prompt_tokens(checkpoint: Checkpoint, requests: list[Request]) -> dict[str, int]:
@@ -266,14 +273,30 @@ def describe(est: Estimate) -> str:
             "per pass per rank",
             f"{_size(est.bytes_h2d_per_pass)} H2D, {_size(est.bytes_gathered_per_pass)} gathered",
         ),
-        ("seconds per pass", f"{est.seconds_per_pass:.3f} (roofline)"),
-        ("outputs per hour", f"{est.outputs_per_hour:,.1f} (whole job, typical request)"),
-        ("job time", f"{est.job_hours:.2f} h (busiest rank), idle share {est.idle_share:.1%}"),
     ]
+    if resolvable(est):
+        rows += [
+            ("seconds per pass", f"{est.seconds_per_pass:.3f} (roofline)"),
+            ("outputs per hour", f"{est.outputs_per_hour:,.1f} (whole job, typical request)"),
+            ("job time", f"{est.job_hours:.2f} h (busiest rank), idle share {est.idle_share:.1%}"),
+        ]
+    else:
+        rows.append(
+            (
+                "seconds per pass",
+                f"below {MIN_PASS_S * 1e3:g} ms: too small a model for the roofline to predict a time",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"WARNING: {w}" for w in est.warnings]
     return "\n".join(lines)
+
+
+def resolvable(est: Estimate) -> bool:
+    """Below a millisecond per pass the roofline says nothing true (launch and Python overheads dominate):
+    print no throughput then rather than billions of outputs per hour."""
+    return est.seconds_per_pass >= MIN_PASS_S
 
 
 def _size(nbytes: float) -> str:
@@ -331,5 +354,15 @@ def plan_job(
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
         doc["estimate"] = est.to_dict()
+        if not resolvable(est):
+            doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
         text += ["", describe(est)]
+    else:
+        text.append(
+            "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
+            "(reads only the checkpoint's configs and headers)"
+        )
+    if warning := idle_warning(assignment.idle_share):
+        doc.setdefault("warnings", []).append(warning)
+        text.append(f"WARNING: {warning}")
     return doc, "\n".join(text)

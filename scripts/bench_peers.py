@@ -252,7 +252,7 @@ def _run_peer(args: argparse.Namespace) -> None:
         outputs.write_latents(paths.latents, result.latents)
         ok.append(job.request.id)
 
-    sync = PassSync(world.world_size, world.main_group, world.device)
+    sync = PassSync(world.world_size, world.exchange_group)
     runner = PassRunner(ctx, weights, cfg.max_active, finished, sync, und_cache=cfg.und_cache)
     weights.run(runner, mine)
     ranks = world.all_gather_object({**_rank_report(world.rank, ok, runner), "failed": failed})

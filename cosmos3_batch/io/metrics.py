@@ -1,5 +1,10 @@
 """metrics.csv: one row per request, appended and fsynced by each rank to its own part file as soon as
-the request ends, merged into metrics.csv at the end of the run. A crash loses no finished row."""
+the request ends, merged into metrics.csv at the end of the run. A crash loses no finished row.
+
+The part files (the crash-safe journal, one per rank and run tag) and the merge lock live in a hidden
+folder of their own, `OUT/.cosmos3_batch/`, so the dataset folder holds only outputs and reports.
+Every column is documented in the README ("Outputs").
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import csv
 import fcntl
 import io
 import os
+import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cosmos3_batch.io.outputs import atomic_write
@@ -22,6 +29,7 @@ COLUMNS = (
     "guidance",
     "seed",
     "tokens",
+    "queue_s",
     "latency_s",
     "prepare_s",
     "denoise_s",
@@ -30,17 +38,33 @@ COLUMNS = (
     "weight_bytes",
     "stall_s",
     "rank",
+    "admitted_at",
     "finished_at",
     "output",
     "error",
 )
-PART_GLOB = ".metrics.*rank*.csv"
+STATE_DIR = ".cosmos3_batch"
+PART_GLOB = "metrics.*rank*.csv"
+
+
+def state_dir(out_dir: Path) -> Path:
+    """OUT/.cosmos3_batch, created on first use. A symlink planted there is replaced, never followed."""
+    path = out_dir / STATE_DIR
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink() if path.is_symlink() or path.is_file() else shutil.rmtree(path)
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def iso_time(seconds: float) -> str:
+    """A Unix time as ISO-8601 UTC with microseconds: readable, and sorts as text in time order."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="microseconds")
 
 
 class MetricsWriter:
     def __init__(self, out_dir: Path, rank: int, tag: str = ""):
         # One part file per writer: ranks, and array tasks sharing --out, never append to the same file.
-        self.path = out_dir / f".metrics.{tag + '-' if tag else ''}rank{rank}.csv"
+        self.path = state_dir(out_dir) / f"metrics.{tag + '-' if tag else ''}rank{rank}.csv"
         # Our own hidden file: a symlink planted at its name is replaced, never appended through.
         if self.path.is_symlink():
             self.path.unlink()
@@ -77,20 +101,21 @@ def merge_metrics(out_dir: Path) -> tuple[Path, list[dict]]:
 
     Array tasks sharing --out may finish together: the lock makes each read-merge-rename see the
     others' finished merges, so the last one writes the full union."""
-    with open(out_dir / ".metrics.lock", "w") as lock:
+    with open(state_dir(out_dir) / "metrics.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _merge_locked(out_dir)
 
 
 def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
     rows: dict[str, dict] = {}
-    parts = sorted(out_dir.glob(PART_GLOB))
+    parts = sorted((out_dir / STATE_DIR).glob(PART_GLOB))
     all_rows = []
     for part in parts:
         with open(part, newline="") as f:
             all_rows.extend(csv.DictReader(f))
-    for row in sorted(all_rows, key=lambda r: float(r.get("finished_at") or 0)):
-        rows[row["id"]] = row
+    # Part files of older versions may lack columns (None here) or hold Unix times: ISO text sorts alike.
+    for row in sorted(all_rows, key=lambda r: _sort_time(r.get("finished_at"))):
+        rows[row["id"]] = {key: row.get(key) or "" for key in COLUMNS}
     merged = sorted(rows.values(), key=lambda r: r["id"])
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
@@ -99,3 +124,28 @@ def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
     path = out_dir / "metrics.csv"
     atomic_write(path, lambda tmp: tmp.write_text(buffer.getvalue()))
     return path, merged
+
+
+def _sort_time(value: str | None) -> str:
+    if not value:
+        return ""
+    try:
+        return iso_time(float(value))
+    except ValueError:
+        return value
+
+
+def passes_path(out_dir: Path, rank: int, tag: str = "") -> Path:
+    return out_dir / STATE_DIR / f"passes.{tag + '-' if tag else ''}rank{rank}.csv"
+
+
+def write_passes(out_dir: Path, rank: int, tag: str, columns: tuple[str, ...], rows: list[tuple]) -> Path:
+    """This rank's pass timeline of the latest run (what `report` draws), written once at its end."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(columns)
+    writer.writerows([_cell(v) for v in row] for row in rows)
+    state_dir(out_dir)
+    path = passes_path(out_dir, rank, tag)
+    atomic_write(path, lambda tmp: tmp.write_text(buffer.getvalue()))
+    return path

@@ -26,6 +26,27 @@ CHAT_TEMPLATE = (
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Written into every folder make-tiny creates: only such a folder (or an empty one) may be replaced, so a
+# mistyped path never wipes a real checkpoint or anything else.
+MARKER = ".written-by-cosmos3-batch-make-tiny"
+
+
+class FolderNotOurs(ValueError):
+    """make-tiny was pointed at a non-empty folder it did not write."""
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Raise FolderNotOurs unless `out_dir` is missing, empty, or an earlier make-tiny output."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        raise FolderNotOurs(f"{out_dir} exists and is not a folder make-tiny wrote; nothing was changed")
+    if any(out_dir.iterdir()) and not (out_dir / MARKER).is_file():
+        raise FolderNotOurs(
+            f"{out_dir} is not empty and was not written by make-tiny (no {MARKER}); nothing was changed. "
+            "Use --force to replace it anyway."
+        )
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -156,7 +177,8 @@ def build_tokenizer():
 def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> Path:
     """Write the checkpoint to `out_dir` atomically (a temporary sibling folder, then a rename).
 
-    With overwrite=False an existing `out_dir` is kept and OSError is raised (the rename fails).
+    With overwrite=False an existing `out_dir` is kept and OSError is raised (the rename fails). Callers
+    that take a user's path check it with `check_replaceable` first.
     """
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
@@ -204,11 +226,16 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         }
         (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
         (tmp / "tiny_spec.json").write_text(json.dumps(spec.as_dict(), indent=2) + "\n")
+        (tmp / MARKER).write_text(
+            "This folder was written by `cosmos3-batch make-tiny`; it may replace it.\n"
+        )
         # mkdtemp (and safetensors) make owner-only entries: let other users of a shared cache read the model.
         umask = _umask()
         for entry in [tmp, *tmp.rglob("*")]:
             entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
-        if overwrite and out_dir.exists():
+        if overwrite and out_dir.is_symlink():
+            out_dir.unlink()  # replace the link itself, never what it points to
+        elif overwrite and out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
@@ -252,5 +279,10 @@ def ensure_default_tiny() -> Path:
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "model_index.json").exists():
+            import logging
+
+            logging.getLogger("cosmos3_batch").info(
+                "building the built-in tiny model in %s (first use only; a few seconds)", path
+            )
             write_tiny(path, TinySpec(), overwrite=False)
     return path

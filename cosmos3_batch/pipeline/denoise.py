@@ -67,7 +67,10 @@ class RequestJob:
         self.weight_bytes = 0.0  # this request's share of the weight traffic of the passes it rode on
         self.stall_s = 0.0
         self.error: str | None = None  # set when a layer's compute failed for this request mid-pass
-        self._started = time.perf_counter()
+        # Admission: where latency_s starts (and queue_s ends).
+        self.admitted_at = time.time()
+        self.admitted_perf = time.perf_counter()
+        self._denoise_started = 0.0
 
     @property
     def cfg(self) -> bool:
@@ -185,7 +188,8 @@ class RequestJob:
 
     def begin_step(self) -> None:
         """Embed the current latents into the GEN stream; every branch starts from the same tokens."""
-        self._step_started = time.perf_counter()
+        if self.step_index == 0:
+            self._denoise_started = time.perf_counter()
         split, layout = self.ctx.split, self.layout
         tokens = self.latents.to(device=self.ctx.device, dtype=split.dtype)
         value = self._timestep_values[self.step_index]
@@ -223,7 +227,8 @@ class RequestJob:
         if not self.und_cache:
             for branch in self.branches:  # the ablation: forget the UND K/V, redo them next pass
                 branch.reset_und()
-        self.timings["denoise_s"] += time.perf_counter() - self._step_started
+        # Wall time from the first step to this one: the passes are shared with the other active requests.
+        self.timings["denoise_s"] = time.perf_counter() - self._denoise_started
 
     # ---- finish ------------------------------------------------------------------------------------
 
@@ -241,5 +246,4 @@ class RequestJob:
             decoded = vae.decode(z_raw).sample.to(latents.dtype)
         frames = helper.video_processor.postprocess_video(decoded, output_type="np")[0]
         self.timings["decode_s"] = time.perf_counter() - start
-        self.timings["latency_s"] = time.perf_counter() - self._started
         return Result(latents=latents.cpu(), frames=frames)

@@ -1,14 +1,14 @@
 """Decoding and writing finished requests off the pass loop.
 
-A VAE decode of a 720p, 189-frame video takes tens of seconds; inside the lockstep loop every other
-rank would wait for it at the next pass's all-reduce. Here one worker thread decodes (on its own CUDA
-stream, after an event that marks the latents final) and hands results to the writer, while the
-loop goes on fetching layers for the requests still denoising.
+A VAE decode of a 720p, 189-frame video takes tens of seconds and its MP4 encode seconds more; inside
+the lockstep loop every other rank would wait for them at the next pass's all-reduce. Here one worker
+thread decodes (on its own CUDA stream, after an event that marks the latents final) and reports every
+outcome, failures found by the loop included, so reports are serialized by the thread itself and the
+loop never takes a lock that a write holds.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,12 +31,25 @@ class Finisher:
         self._pending: list[Future] = []
 
     def submit(self, job: RequestJob) -> None:
+        """Decode and write a request whose last step has been issued."""
         ready = None
         if self._side is not None:
             # The last scheduler step was issued on the compute stream: decode only after it has run.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self._pending.append(self._pool.submit(self._finish, job, ready))
+        self._queue(self._finish, job, ready)
+
+    def fail(self, job: RequestJob, error: str) -> None:
+        """Record a failure found by the loop, in order with the writes, without waiting for them."""
+        self._queue(self.report, job, None, error)
+
+    def _queue(self, fn, *args) -> None:
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(fn, *args))
+
+    @property
+    def backlog(self) -> int:
+        return sum(not f.done() for f in self._pending)
 
     @torch.no_grad()  # grad mode is per thread
     def _finish(self, job: RequestJob, ready) -> None:
@@ -52,22 +65,9 @@ class Finisher:
             return
         self.report(job, result, None)
 
-    def drain(self) -> None:
-        """Wait until every submitted request is decoded and reported."""
+    def close(self) -> None:
+        """Wait until every submitted request is decoded and reported (at the end of the run only)."""
         for future in self._pending:
             future.result()
         self._pending.clear()
-
-    def close(self) -> None:
-        self.drain()
         self._pool.shutdown(wait=True)
-
-
-def locked(lock: threading.Lock, report: Report) -> Report:
-    """Reports come from the loop (failures) and the finisher (results): one at a time."""
-
-    def call(job: RequestJob, result: Result | None, error: str | None) -> None:
-        with lock:
-            report(job, result, error)
-
-    return call

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import signal as signal_module
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +24,12 @@ from cosmos3_batch.config import RunConfig
 from cosmos3_batch.dist import World, init_world, teardown
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics
+from cosmos3_batch.io.metrics import MetricsWriter, iso_time, merge_metrics, write_passes
 from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
 from cosmos3_batch.pipeline.denoise import RequestJob, Result, tokenize
-from cosmos3_batch.pipeline.runner import PassRunner, PassSync
+from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
+from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.schedule import assign, in_shard
@@ -139,35 +141,39 @@ def versions() -> dict[str, str]:
 
 @dataclass
 class ResultWriter:
-    """Writes each finished request's files (sidecar last) and its metrics row."""
+    """Writes each finished request's files (sidecar last) and its metrics row (columns: README, Outputs)."""
 
     cfg: RunConfig
     model_dir: Path
     metrics: MetricsWriter
     model_identity: str
     rank: int = 0
+    loop_started: float = field(default_factory=time.time)  # queue_s counts from here
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
 
     def __call__(self, job: RequestJob, result: Result | None, error: str | None) -> None:
         r = job.request
-        write_s, output = 0.0, ""
+        output = ""
         if result is not None:
-            start = time.perf_counter()
             try:
                 output = self._write(job, result)
             except Exception as exc:  # disk full, encoder error: this request fails, the job goes on
                 error = f"{type(exc).__name__}: {exc}"
-            write_s = time.perf_counter() - start
         if error is None:
             self.ok.append(r.id)
         else:
             self.failed[r.id] = error
             log.warning("request %s failed: %s", r.id, error)
+        self.row(job, "ok" if error is None else "failed", output, error)
+
+    def row(self, job: RequestJob, status: str, output: str = "", error: str | None = None) -> None:
+        r = job.request
+        timings = job.timings
         try:
             self.metrics.row(
                 id=r.id,
-                status="ok" if error is None else "failed",
+                status=status,
                 kind=r.kind,
                 width=r.width,
                 height=r.height,
@@ -176,20 +182,23 @@ class ResultWriter:
                 guidance=r.guidance_scale,
                 seed=r.seed,
                 tokens=job.tokens,
-                write_s=write_s,
+                queue_s=max(0.0, job.admitted_at - self.loop_started),
+                latency_s=time.perf_counter() - job.admitted_perf,
                 weight_bytes=round(job.weight_bytes),
                 stall_s=job.stall_s,
                 rank=self.rank,
-                finished_at=time.time(),
+                admitted_at=iso_time(job.admitted_at),
+                finished_at=iso_time(time.time()),
                 output=output,
                 error=error,
-                **{k: job.timings.get(k) for k in ("latency_s", "prepare_s", "denoise_s", "decode_s")},
+                **{k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")},
             )
         except OSError as exc:  # a full disk must fail this row, not the rank (its peers would hang)
             log.error("request %s: cannot append its metrics row: %s", r.id, exc)
 
     def _write(self, job: RequestJob, result: Result) -> str:
         r = job.request
+        start = time.perf_counter()
         paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames)
         frames = outputs.to_uint8(result.frames)
         if r.num_frames == 1:
@@ -200,6 +209,7 @@ class ResultWriter:
         if self.cfg.save_latents:
             size = outputs.write_latents(paths.latents, result.latents)
             files["latents"] = {"name": paths.latents.name, "bytes": size}
+        job.timings["write_s"] = time.perf_counter() - start  # the media and latents; the sidecar is tiny
         sidecar = {
             "id": r.id,
             "status": "complete",
@@ -220,16 +230,21 @@ class ResultWriter:
 
 @record
 def run_job(cfg: RunConfig) -> tuple[int, str | None]:
-    """(exit code, summary line on rank 0 else None): 0 all requests ok, 1 some failed.
-    Raises BadInput for exit code 2."""
+    """(exit code, summary line on rank 0 else None): 0 all requests ok, 1 some failed, 130 / 143 stopped
+    by SIGINT / SIGTERM. Raises BadInput for exit code 2."""
+    stop = StopRequest()
+    restore = stop.install()  # first, so a signal during start-up also stops cleanly
     try:
-        world = init_world(cfg.device, cfg.collective_timeout_s)
-    except ValueError as exc:  # no such device, more ranks than GPUs
-        raise BadInput(str(exc)) from exc
-    try:
-        return _run(cfg, world)
+        try:
+            world = init_world(cfg.device, cfg.collective_timeout_s)
+        except ValueError as exc:  # no such device, more ranks than GPUs
+            raise BadInput(str(exc)) from exc
+        try:
+            return _run(cfg, world, stop)
+        finally:
+            teardown(world)
     finally:
-        teardown(world)
+        restore()
 
 
 def _check_same_plan(world: World, plan: Plan) -> None:
@@ -242,7 +257,7 @@ def _check_same_plan(world: World, plan: Plan) -> None:
         )
 
 
-def _run(cfg: RunConfig, world: World) -> tuple[int, str | None]:
+def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | None]:
     started = time.time()
     _quiet_other_ranks(world)
     plan = plan_run(cfg)
@@ -251,11 +266,14 @@ def _run(cfg: RunConfig, world: World) -> tuple[int, str | None]:
         log.info("removed %d temporary file(s) left by an interrupted run", stale)
     _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
     log.info(
-        "%d requests to generate, %d already complete, %d invalid",
+        "%d requests to generate, %d already complete%s, %d invalid",
         len(plan.requests),
         len(plan.complete),
+        _preview(r.id for r in plan.complete),
         len(plan.invalid),
     )
+    if not plan.requests:  # nothing to do: no weight is read, no bar is shown
+        return _end(cfg, world, plan, [], started, None)
     mine = assign(plan.requests, world.world_size).queues[world.rank]
     checkpoint = Checkpoint.open(plan.model_dir)
     ctx = load_context(
@@ -268,12 +286,16 @@ def _run(cfg: RunConfig, world: World) -> tuple[int, str | None]:
     weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
-    bar = tqdm(total=len(plan.requests), unit="req", disable=not show, dynamic_ncols=True)
+    bar = tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True)
     writer = ResultWriter(cfg, plan.model_dir, metrics, plan.model_identity, rank=world.rank)
-    sync = PassSync(world.world_size, world.main_group, world.device)
-    runner = PassRunner(ctx, weights, cfg.max_active, writer, sync, bar.update, und_cache=cfg.und_cache)
+    sync = PassSync(world.world_size, world.exchange_group)
+    runner = PassRunner(
+        ctx, weights, cfg.max_active, writer, sync, bar.update, und_cache=cfg.und_cache, stop=stop
+    )
     try:
         runner.run(mine)
+        for job in runner.abandoned:  # stopped mid-denoise: on record, and redone by the next run
+            writer.row(job, "interrupted", error=f"stopped by {stop.name or 'a peer rank'} mid-denoise")
     except Exception as exc:
         if world.distributed and isinstance(exc, RuntimeError | dist.DistError):
             log.error(
@@ -284,18 +306,50 @@ def _run(cfg: RunConfig, world: World) -> tuple[int, str | None]:
         bar.close()
         metrics.close()
         weights.close()
+        write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-    ranks = world.all_gather_object(_rank_report(world, runner, writer, gathers))
+    report = _rank_report(world, runner, writer, gathers)
+    report["signal"] = stop.name
+    return _end(cfg, world, plan, world.all_gather_object(report), started, runner)
+
+
+def _end(
+    cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started: float, runner: PassRunner | None
+) -> tuple[int, str | None]:
+    """Metrics merged and summary.json written by rank 0 (also when stopped by a signal), then the exit
+    code every rank returns."""
     failed = {k: v for report in ranks for k, v in report.pop("failed").items()}
+    signals = [report.pop("signal") for report in ranks if report.get("signal")]
+    interrupted = runner is not None and runner.interrupted
     if world.is_main:
-        merge_metrics(cfg.out)
+        if ranks:
+            merge_metrics(cfg.out)
         summary = _summary(cfg, plan, ranks, failed, time.time() - started, world)
+        if interrupted:
+            summary["interrupted"] = {
+                "signal": signals[0] if signals else "",
+                "abandoned": sorted(i for report in ranks for i in report["abandoned"]),
+                "not_started": sum(report["not_started"] for report in ranks),
+            }
         outputs.write_json(cfg.out / summary_name(cfg.tag), summary)
         if failed:
             log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
     world.barrier()  # summary.json exists before any rank reports success
     line = describe_summary(cfg.out, cfg.tag) if world.is_main else None
+    if interrupted:
+        # The signal one rank got stopped every rank: all exit with the shell's code for it.
+        code = 128 + int(getattr(signal_module, signals[0])) if signals else 130
+        return code, line
     return (1 if failed else 0), line
+
+
+def _preview(ids, limit: int = 8) -> str:
+    """': a, b, c (+5 more)' for a log line; the full list is in summary.json."""
+    ids = list(ids)
+    if not ids:
+        return ""
+    more = f" (+{len(ids) - limit} more)" if len(ids) > limit else ""
+    return ": " + ", ".join(ids[:limit]) + more
 
 
 def _quiet_other_ranks(world: World) -> None:
@@ -316,6 +370,8 @@ def _rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers
         "gathers": totals.fetches if world.distributed and gathers else 0,
         "fetches": totals.fetches,
         "collective_trace": runner.sync.trace_digest,
+        "abandoned": [job.request.id for job in runner.abandoned],
+        "not_started": len(runner.not_started),
         "h2d_bytes": totals.h2d_bytes,
         "gathered_bytes": totals.gathered_bytes,
         "stall_s": round(totals.stall_s, 6),
@@ -331,11 +387,14 @@ def _summary(cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: 
         "generated_ok": ok,
         "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
         "skipped_complete": len(plan.complete),
+        "skipped_complete_ids": sorted(r.id for r in plan.complete),
         "invalid": [{"line": e.line, "field": e.field, "error": e.message} for e in plan.invalid],
+        "started_at": iso_time(time.time() - wall),
         "wall_s": round(wall, 3),
         "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
         "ranks": ranks,
         "config": {
+            "prompts": str(cfg.prompts.resolve()),
             "model": str(plan.model_dir),
             "max_active": cfg.max_active,
             "offload": cfg.offload.value,
@@ -352,7 +411,14 @@ def summary_name(tag: str) -> str:
 
 def describe_summary(out: Path, tag: str = "") -> str:
     summary = json.loads((out / summary_name(tag)).read_text())
-    return (
+    line = (
         f"{summary['generated_ok']} generated, {len(summary['failed'])} failed, "
         f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"
     )
+    if stopped := summary.get("interrupted"):
+        left = len(stopped["abandoned"]) + stopped["not_started"]
+        line = (
+            f"stopped by {stopped['signal'] or 'a signal'}: {line}; {left} not generated "
+            "(rerun the same command to resume)"
+        )
+    return line

@@ -1,8 +1,9 @@
 """The pass loop (DESIGN.md §4): collectives that do not depend on the requests.
 
 Every pass, on every rank:
-1. one small all-reduce on the main group: [active sequences, needs-UND flag, finished count];
-   a global active count of 0 ends the run on every rank at the same pass;
+1. one small all-reduce on a host (gloo) group: [active sequences, needs-UND flag, finished count,
+   stop flag]; a global active count of 0, or a stop flag from any rank (SIGINT/SIGTERM), ends the run
+   on every rank at the same pass;
 2. walk layers 0..L-1 fetching the same parts in the same order (GEN always, UND only if some rank
    flagged it): a rank with nothing active only takes part in the transfers;
 3. apply each part to all of this rank's active branches;
@@ -17,7 +18,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.finisher import Finisher
+from cosmos3_batch.pipeline.stop import StopRequest
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
@@ -41,26 +44,49 @@ class LayerWeights(Protocol):
     def end_pass(self) -> Counters: ...
 
 
-class PassSync:
-    """The one main-group collective per pass. Also keeps a trace of every collective this rank issues."""
+@dataclass(frozen=True)
+class Exchanged:
+    """What the per-pass all-reduce tells every rank about the whole world."""
 
-    def __init__(self, world_size: int = 1, group=None, device: torch.device | None = None):
+    active: int  # sequences (requests) active on all ranks this pass
+    und: bool  # some rank needs the UND parts this pass
+    finished: int  # requests reported (written or failed) on all ranks since the last pass
+    stop: bool  # some rank was asked to stop (SIGINT / SIGTERM)
+
+
+class PassRecord(NamedTuple):
+    """One pass on this rank, as the run report draws it (columns of passes.*.csv)."""
+
+    index: int
+    start_s: float  # since the pass loop began on this rank
+    duration_s: float  # walking the layers: fetch waits + compute
+    und: bool  # the UND parts were fetched
+    active: int  # requests that rode on this pass
+    stall_s: float  # compute waited for a part
+    weight_bytes: int  # host->device + gathered on this rank
+
+
+class PassSync:
+    """The one collective per pass. Also keeps a trace of every collective this rank issues.
+
+    The group is a host (gloo) group on every backend: four integers need no device, and a device tensor
+    here would cost two device syncs per pass (the copy in and `.tolist()`)."""
+
+    def __init__(self, world_size: int = 1, group=None):
         self.world_size = world_size
         self.group = group
-        # NCCL reduces device tensors, gloo host tensors.
-        self.device = device if device is not None and device.type == "cuda" else torch.device("cpu")
         self.all_reduces = 0
         self._trace = hashlib.sha256()
 
-    def exchange(self, active: int, needs_und: bool, finished: int) -> tuple[int, bool, int]:
+    def exchange(self, active: int, needs_und: bool, finished: int, stop: bool = False) -> Exchanged:
         self.all_reduces += 1
-        self.note("all_reduce:3")
+        self.note("all_reduce:4")
         if self.world_size == 1:
-            return active, needs_und, finished
-        values = torch.tensor([active, int(needs_und), finished], dtype=torch.int64, device=self.device)
+            return Exchanged(active, needs_und, finished, stop)
+        values = torch.tensor([active, int(needs_und), finished, int(stop)], dtype=torch.int64)
         dist.all_reduce(values, group=self.group)
-        total_active, und_ranks, total_finished = values.tolist()
-        return total_active, und_ranks > 0, total_finished
+        total_active, und_ranks, total_finished, stops = values.tolist()
+        return Exchanged(total_active, und_ranks > 0, total_finished, stops > 0)
 
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")
@@ -80,6 +106,7 @@ class PassRunner:
         sync: PassSync | None = None,
         on_progress: Callable[[int], None] | None = None,
         und_cache: bool = True,
+        stop: StopRequest | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -90,13 +117,19 @@ class PassRunner:
         self.sync = sync if sync is not None else PassSync()
         self.on_progress = on_progress
         self.und_cache = und_cache
+        self.stop = stop if stop is not None else StopRequest()
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
         self.totals = Counters()
-        self._finished_since_sync = 0
-        self._lock = threading.Lock()
+        self.started = time.perf_counter()  # the timeline's zero
+        self.timeline: list[PassRecord] = []  # one small record per pass, for the run report
+        self.interrupted = False  # the run left the loop on a stop request
+        self.abandoned: list[RequestJob] = []  # mid-denoise when the run stopped: redone by the next run
+        self.not_started: list[Request] = []  # still queued when the run stopped
+        self._reported = 0  # requests reported on this rank since the last exchange (finisher thread)
+        self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
 
     @torch.no_grad()
@@ -110,28 +143,33 @@ class PassRunner:
     def _loop(self, queue: deque) -> None:
         active: list[RequestJob] = []
         while True:
-            active.extend(self._admit(queue, self.max_active - len(active)))
-            if not active:
-                self.finisher.drain()  # nothing left here: count our last outputs in this exchange
+            if not self.stop.requested:
+                active.extend(self._admit(queue, self.max_active - len(active)))
             local_und = any(job.needs_und for job in active)
-            with self._lock:
-                finished_here, self._finished_since_sync = self._finished_since_sync, 0
-            total, und, finished = self.sync.exchange(len(active), local_und, finished_here)
-            if self.on_progress is not None and finished:
-                self.on_progress(finished)
-            if total == 0:
+            with self._count_lock:
+                mine, self._reported = self._reported, 0
+            world = self.sync.exchange(len(active), local_und, mine, self.stop.requested)
+            if self.on_progress is not None and world.finished > mine:
+                self.on_progress(world.finished - mine)  # our own were counted as they were written
+            if world.stop:
+                self.interrupted = True
+                self.abandoned, self.not_started = active, list(queue)
+                return
+            if world.active == 0:
                 return
             # Start fetching the first part now, so the transfer overlaps the per-request embedding.
-            self.weights.begin_pass(und)
+            self.weights.begin_pass(world.und)
             active = self._begin(active)
-            self._pass(active, und)
+            self._pass(active, world.und)
             active = self._finish(active)
 
     def _report(self, job: RequestJob, result: Result | None, error: str | None) -> None:
-        # Called from the loop (failures) and from the finisher thread (decoded results): one at a time.
-        with self._lock:
-            self._finished_since_sync += 1
-            self.on_finished(job, result, error)
+        # On the finisher thread only (it serializes reports): the loop never waits for a write.
+        self.on_finished(job, result, error)
+        with self._count_lock:
+            self._reported += 1
+        if self.on_progress is not None:
+            self.on_progress(1)
 
     def _admit(self, queue: deque, free: int) -> list[RequestJob]:
         admitted = []
@@ -140,7 +178,7 @@ class PassRunner:
             try:
                 job.prepare()
             except Exception as exc:  # a bad request must not take the job down
-                self._report(job, None, _describe(exc))
+                self.finisher.fail(job, _describe(exc))
                 continue
             admitted.append(job)
         return admitted
@@ -151,7 +189,7 @@ class PassRunner:
             try:
                 job.begin_step()
             except Exception as exc:
-                self._report(job, None, _describe(exc))
+                self.finisher.fail(job, _describe(exc))
                 continue
             ok.append(job)
         return ok
@@ -166,8 +204,20 @@ class PassRunner:
             self.sync.note(f"part:{index}.{GEN}")
             self._apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
-        self.pass_s += time.perf_counter() - started
+        ended = time.perf_counter()
+        self.pass_s += ended - started
         self._account(active, counters)
+        self.timeline.append(
+            PassRecord(
+                self.passes,
+                started - self.started,
+                ended - started,
+                und_flag,
+                len(active),
+                counters.stall_s,
+                counters.h2d_bytes + counters.gathered_bytes,
+            )
+        )
         self.passes += 1
         self.und_passes += und_flag
 
@@ -202,12 +252,12 @@ class PassRunner:
         still = []
         for job in active:
             if job.error is not None:
-                self._report(job, None, job.error)
+                self.finisher.fail(job, job.error)
                 continue
             try:
                 job.finish_step()
             except Exception as exc:
-                self._report(job, None, _describe(exc))
+                self.finisher.fail(job, _describe(exc))
                 continue
             if job.done:
                 self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait

@@ -69,7 +69,7 @@ def preempt(job: subprocess.Popen) -> None:
 
 def ok_rows(out) -> Counter:
     counts: Counter = Counter()
-    for part in out.glob(".metrics.rank*.csv"):
+    for part in (out / ".cosmos3_batch").glob("metrics.rank*.csv"):
         with open(part, newline="") as f:
             counts.update(row["id"] for row in csv.DictReader(f) if row["status"] == "ok")
     return counts

@@ -166,7 +166,7 @@ def assert_done_once(out: Path, ids: list[str], part_files: int) -> None:
     merged = read_rows(out / "metrics.csv")
     assert sorted(row["id"] for row in merged) == sorted(ids)
     assert {row["status"] for row in merged} == {"ok"}
-    parts = sorted(out.glob(".metrics.*.csv"))
+    parts = sorted((out / ".cosmos3_batch").glob("metrics.*.csv"))
     assert len(parts) == part_files, parts
     rows = [row for part in parts for row in read_rows(part)]
     assert Counter(row["id"] for row in rows) == Counter(ids), rows

@@ -245,3 +245,71 @@ def test_array_shards_share_one_out_folder(tmp_path, tiny_ckpt):
         assert sorted(row["id"] for row in csv.DictReader(f)) == [f"s{i}" for i in range(5)]
     assert not (out / "summary.json").exists()
     assert run(tiny_ckpt, prompts, out, "--shard", "2/2").exit_code == 2
+
+
+def test_plan_without_model_says_what_model_adds_and_warns_of_idle_ranks(tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [IMAGE])
+    text = invoke("plan", prompts, "--nproc", "4").output
+    assert "add --model CKPT for memory per rank" in text
+    assert "WARNING: predicted idle share 75%" in text  # one request, four ranks
+
+
+def test_plan_prints_no_roofline_it_cannot_resolve(tmp_path, tiny_ckpt):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [IMAGE, VIDEO])
+    result = invoke("plan", prompts, "--model", tiny_ckpt)
+    assert result.exit_code == 0, result.output
+    assert "too small a model for the roofline" in result.output and "outputs per hour" not in result.output
+    doc = json.loads(invoke("plan", prompts, "--model", tiny_ckpt, "--json").output)
+    assert doc["estimate"]["outputs_per_hour"] is None and doc["estimate"]["bytes_h2d_per_pass"] > 0
+
+
+def test_make_tiny_never_replaces_a_folder_it_did_not_write(tmp_path):
+    foreign = tmp_path / "ckpt"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (foreign / "model_index.json").write_text("{}")
+    result = invoke("make-tiny", foreign)
+    assert result.exit_code == 2 and "--force" in result.output
+    assert sorted(p.name for p in foreign.iterdir()) == ["model_index.json", "notes.txt"]
+    assert (foreign / "notes.txt").read_text() == "mine"
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert invoke("make-tiny", a_file).exit_code == 2 and a_file.read_text() == "x"
+
+    ours = tmp_path / "tiny"
+    assert invoke("make-tiny", ours).exit_code == 0
+    (ours / "stale.txt").write_text("left by hand")
+    assert invoke("make-tiny", ours, "--layers", "1").exit_code == 0  # its own output: replaced
+    assert not (ours / "stale.txt").exists()
+    assert json.loads((ours / "tiny_spec.json").read_text())["layers"] == 1
+    assert invoke("make-tiny", foreign, "--force").exit_code == 0
+    assert not (foreign / "notes.txt").exists() and (foreign / "transformer").is_dir()
+
+
+def test_rerun_with_nothing_to_do_names_the_skipped_and_loads_nothing(job, tiny_ckpt, monkeypatch, caplog):
+    prompts, out = job
+    assert run(tiny_ckpt, prompts, out).exit_code == 0
+    import cosmos3_batch.pipeline.job as job_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a rerun with nothing to generate must not load the model")
+
+    monkeypatch.setattr(job_module, "load_context", no_loading)
+    with caplog.at_level("INFO", logger="cosmos3_batch"):
+        result = run(tiny_ckpt, prompts, out)
+    assert result.exit_code == 0, result.output
+    assert "0 generated, 0 failed, 2 already complete" in result.output
+    assert "2 already complete: img, vid" in caplog.text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_complete_ids"] == ["img", "vid"]
+
+
+def test_every_command_and_flag_has_help():
+    import typer.main
+
+    group = typer.main.get_command(app)
+    assert set(group.commands) >= {"run", "plan", "make-tiny", "report"}
+    for name, command in group.commands.items():
+        assert command.help, name
+        for param in command.params:
+            assert getattr(param, "help", None), (name, param.name)

@@ -81,9 +81,11 @@ def test_symlinked_outputs_are_replaced_not_followed(setup: tuple[Path, Path, Pa
 # because CliRunner runs the command in this process.
 WORKING_FILES = [
     pytest.param(
-        lambda pid: ".metrics.rank0.csv",
+        lambda pid: ".cosmos3_batch/metrics.rank0.csv",
         id="metrics-part-file",
     ),
+    pytest.param(lambda pid: ".cosmos3_batch", id="state-folder"),
+    pytest.param(lambda pid: ".cosmos3_batch/passes.rank0.csv", id="pass-timeline"),
     pytest.param(
         lambda pid: f".write-probe-{pid}",
         id="write-probe",
@@ -108,7 +110,9 @@ def test_symlinked_working_files_are_not_followed(
     setup: tuple[Path, Path, Path], tiny_ckpt: Path, name: Callable[[int], str]
 ) -> None:
     prompts, out, victim = setup
-    (out / name(os.getpid())).symlink_to(victim)
+    planted = out / name(os.getpid())
+    planted.parent.mkdir(exist_ok=True)
+    planted.symlink_to(victim)
     result = run(tiny_ckpt, prompts, out, "--save-latents")
     assert victim.read_bytes() == VICTIM
     assert result.exit_code == 0, result.output

@@ -1,0 +1,76 @@
+"""SIGINT / SIGTERM: stop at the next pass on every rank, keep what is finished, exit 130 / 143.
+
+The handler only records the signal; the pass loop reads it and sends it through the per-pass
+all-reduce, so every rank leaves the loop at the same pass (no rank is left waiting in a collective).
+Decoded outputs still get written; requests mid-denoise are abandoned and redone by the next run.
+
+A second signal exits at once, unless it comes within `DUPLICATE_WINDOW_S` of the first: launchers
+deliver one stop twice (Slurm signals every process of the step and torchrun forwards the same
+signal to its workers a moment later), and that must not turn a clean stop into an abrupt one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+DUPLICATE_WINDOW_S = 1.0
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    def __init__(self, quiet: bool | None = None) -> None:
+        self.signum: int | None = None
+        self._first_at = 0.0
+        # Under torchrun every worker gets the signal: only rank 0 says so.
+        self.quiet = os.environ.get("RANK", "0") != "0" if quiet is None else quiet
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for "ended by signal N": 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signum if self.signum is not None else 0
+
+    def request(self, signum: int) -> None:
+        """What the handler does; also the way tests and callers ask for a stop without a signal."""
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._first_at = signum, now
+            self.quiet or _say(
+                f"{signal.Signals(signum).name}: stopping after this pass; finished outputs are being "
+                "written (send it again to exit at once)"
+            )
+        elif now - self._first_at > DUPLICATE_WINDOW_S:
+            _say(f"{signal.Signals(signum).name} again: exiting now; rerun the same command to resume")
+            os._exit(128 + signum)
+
+    def install(self) -> Callable[[], None]:
+        """Handle SIGINT and SIGTERM in this process; returns a function that restores the old handlers.
+        Signal handlers can only be set from the main thread: elsewhere (a test runner's thread) this
+        does nothing and the caller keeps the default behaviour."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, lambda signum, _frame: self.request(signum)) for sig in SIGNALS}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        return restore
+
+
+def _say(message: str) -> None:
+    # os.write, not print or logging: a signal handler may run while another thread holds their locks.
+    with contextlib.suppress(OSError):
+        os.write(2, f"\n{message}\n".encode())

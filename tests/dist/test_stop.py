@@ -1,0 +1,125 @@
+"""SIGINT / SIGTERM mid-run: every rank stops at the same pass, finished work is written with metrics and
+summary, the exit code is the shell's (130 / 143), and the rerun generates exactly the rest, bit-exact."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_same_outputs, write_jsonl
+
+pytestmark = pytest.mark.dist
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Enough steps that a run is still going when the second output lands: 16 requests x 40 steps.
+ROWS = [
+    {"id": f"s{i}", "prompt": "a lighthouse", "num_frames": 1 if i % 3 else 5, "size": "32x32"}
+    | {"num_inference_steps": 40, "guidance_scale": 1.0 if i % 2 else 4.0}
+    for i in range(16)
+]
+IDS = [row["id"] for row in ROWS]
+
+
+def command(nproc: int, prompts: Path, model: Path, out: Path) -> list[str]:
+    run = ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(model), "--out", str(out)]
+    run += ["--save-latents", "--no-progress", "--max-active", "2"]
+    if nproc == 1:
+        return [sys.executable, *run]
+    launcher = [sys.executable, "-m", "cosmos3_batch.launch", "--standalone", f"--nproc-per-node={nproc}"]
+    return launcher + run
+
+
+def outputs_done(out: Path) -> int:
+    return sum(1 for rid in IDS if (out / f"{rid}.json").exists())
+
+
+def stop_midway(cmd: list[str], out: Path, sig: int, whole_group: bool) -> tuple[int, float, str]:
+    """Start the job in its own session, signal it once two outputs exist; (exit code, seconds, output)."""
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 240
+    while outputs_done(out) < 2:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "no output within 240 s"
+        time.sleep(0.05)
+    sent = time.monotonic()
+    if whole_group:  # as a terminal's Ctrl-C does: every process of the foreground group
+        os.killpg(proc.pid, sig)
+    else:
+        os.kill(proc.pid, sig)
+    err, _ = proc.communicate(timeout=120)
+    return proc.returncode, time.monotonic() - sent, err
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_ckpt) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("stop")
+    prompts = write_jsonl(folder / "p.jsonl", ROWS)
+    ref = folder / "ref"
+    proc = subprocess.run(command(1, prompts, tiny_ckpt, ref), env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return prompts, ref
+
+
+def ok_rows(out: Path) -> Counter:
+    counts: Counter = Counter()
+    for part in (out / ".cosmos3_batch").glob("metrics.*rank*.csv"):
+        with open(part, newline="") as f:
+            counts.update(row["id"] for row in csv.DictReader(f) if row["status"] == "ok")
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("nproc", "sig", "whole_group"),
+    [
+        pytest.param(1, signal.SIGINT, False, id="single-sigint-process"),
+        pytest.param(1, signal.SIGINT, True, id="single-sigint-group"),
+        pytest.param(1, signal.SIGTERM, False, id="single-sigterm"),
+        pytest.param(2, signal.SIGINT, False, id="torchrun2-sigint-launcher"),
+        pytest.param(2, signal.SIGINT, True, id="torchrun2-sigint-group"),
+    ],
+)
+def test_signal_stops_cleanly_and_rerun_does_the_rest(
+    reference, tiny_ckpt, tmp_path, nproc, sig, whole_group
+):
+    prompts, ref = reference
+    out = tmp_path / "out"
+    cmd = command(nproc, prompts, tiny_ckpt, out)
+    code, seconds, err = stop_midway(cmd, out, sig, whole_group)
+    assert code == 128 + sig, err[-3000:]
+    assert seconds < 15, seconds
+    assert "Traceback" not in err, err[-3000:]
+    name = signal.Signals(sig).name
+    assert f"stopped by {name}" in err
+    summary = json.loads((out / "summary.json").read_text())
+    done = summary["generated_ok"]
+    assert 2 <= done < len(IDS)
+    stopped = summary["interrupted"]
+    assert stopped["signal"] == name
+    assert summary["failed"] == [], summary["failed"]
+    assert done + len(stopped["abandoned"]) + stopped["not_started"] == len(IDS), summary
+    with open(out / "metrics.csv", newline="") as f:
+        rows = {row["id"]: row["status"] for row in csv.DictReader(f)}
+    assert sorted(rid for rid, status in rows.items() if status == "ok") == sorted(
+        rid for rid in IDS if (out / f"{rid}.json").exists()
+    )
+    assert {rid for rid, status in rows.items() if status == "interrupted"} == set(stopped["abandoned"])
+    if nproc > 1:  # every rank left the loop at the same pass
+        assert len({(r["passes"], r["all_reduces"]) for r in summary["ranks"]}) == 1, summary["ranks"]
+
+    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generated_ok"] == len(IDS) - done
+    assert summary["skipped_complete"] == done
+    assert_same_outputs(ref, out, IDS)
+    assert ok_rows(out) == Counter(IDS)  # nothing generated twice
