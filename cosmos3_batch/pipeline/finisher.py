@@ -20,13 +20,14 @@ Report = Callable[[RequestJob, Result | None, str | None], None]
 
 
 class Finisher:
-    def __init__(self, report: Report, device: torch.device):
+    def __init__(self, report: Report, device: torch.device, cuda=None):
         self.report = report
         self.device = device
-        cuda = device.type == "cuda"
-        self._side = torch.cuda.Stream(device) if cuda else None
+        self.cuda = cuda if cuda is not None else torch.cuda  # stand-ins in tests/unit/test_finisher.py
+        on_gpu = device.type == "cuda"
+        self._side = self.cuda.Stream(device) if on_gpu else None
         # A new thread starts on device 0: point it at this rank's GPU.
-        init = (lambda: torch.cuda.set_device(device)) if cuda else None
+        init = (lambda: self.cuda.set_device(device)) if on_gpu else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finisher", initializer=init)
         self._pending: list[Future] = []
 
@@ -35,8 +36,8 @@ class Finisher:
         ready = None
         if self._side is not None:
             # The last scheduler step was issued on the compute stream: decode only after it has run.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+            ready = self.cuda.Event()
+            ready.record(self.cuda.current_stream(self.device))
         self._queue(self._finish, job, ready)
 
     def fail(self, job: RequestJob, error: str) -> None:
@@ -57,10 +58,17 @@ class Finisher:
             if ready is None:
                 result = job.decode()
             else:
-                with torch.cuda.stream(self._side):
+                with self.cuda.stream(self._side):
                     self._side.wait_event(ready)
                     result = job.decode()  # ends in host copies, which wait for this stream only
         except Exception as exc:
+            if self._side is not None:
+                # A decode that failed midway may leave kernels queued on the side stream that read the
+                # latents. The caching allocator tracks those (allocated on the compute stream) by the
+                # compute stream only: once the report drops the job, their memory could be handed out
+                # again under the running kernels. Wait for this one stream (error path only; not a
+                # device-wide sync) before letting go of them.
+                self._side.synchronize()
             self.report(job, None, f"{type(exc).__name__}: {exc}")
             return
         self.report(job, result, None)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.denoise import RequestJob
+from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
 from cosmos3_batch.requests import parse_lines
@@ -54,3 +56,70 @@ def test_passes_continue_while_a_finished_request_decodes(tiny_ckpt, monkeypatch
     runner.run(requests)
     assert done == {"short": None, "long": None}
     assert passes_seen_by_decode == [4]
+
+
+class _Stream:
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def wait_event(self, event) -> None:
+        self.log.append("side waits ready")
+
+    def synchronize(self) -> None:
+        self.log.append("side synchronized")
+
+
+class _Event:
+    def record(self, stream) -> None:
+        pass
+
+
+class _Cuda:
+    """The torch.cuda surface the finisher uses, recording what it does to its side stream."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def Stream(self, device):
+        return _Stream(self.log)
+
+    def Event(self):
+        return _Event()
+
+    def current_stream(self, device):
+        return None
+
+    def set_device(self, device) -> None:
+        pass
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+
+class _FailingJob:
+    def decode(self):
+        raise RuntimeError("out of memory in the VAE")
+
+
+class _FineJob:
+    def decode(self):
+        return "result"
+
+
+def test_a_failed_decode_waits_for_its_side_stream_before_reporting():
+    log: list[str] = []
+
+    def report(job, result, error):
+        log.append(f"report {error or result}")
+
+    finisher = Finisher(report, torch.device("cuda", 0), cuda=_Cuda(log))
+    finisher.submit(_FailingJob())
+    finisher.submit(_FineJob())
+    finisher.close()
+    assert log == [
+        "side waits ready",
+        "side synchronized",  # before the job (and its latents) is let go
+        "report RuntimeError: out of memory in the VAE",
+        "side waits ready",
+        "report result",  # a good decode ends in host copies: no extra wait
+    ]
