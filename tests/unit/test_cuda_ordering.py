@@ -293,3 +293,12 @@ def test_the_gathers_are_issued_in_an_order_set_by_the_calls_alone(tmp_path, mon
     assert orders[0] == orders[1]
     # U0 G0 G1, then U1 once U0 has computed: G1 goes ahead of U1, into the second GEN slot.
     assert orders[0][:5] == [0, 1, 3, 2, 5]
+
+
+def test_collect_reads_what_completed_after_the_last_pass(tmp_path, monkeypatch):
+    engine, fake = make_engine(tmp_path, monkeypatch)
+    fake.device_now = 0.0
+    assert run_pass(engine, fake, GEN_PASS).compute_s == 0.0  # not complete at its end_pass
+    fake.device_now = math.inf  # e.g. a benchmark synchronized the device
+    assert engine.collect().compute_s * 1000 == pytest.approx(LAYERS * COMPUTE_MS["gen"], rel=1e-12)
+    assert engine.collect().compute_s == 0.0  # read once
