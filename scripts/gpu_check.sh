@@ -20,6 +20,12 @@ elif [ -x "$ROOT/.venv/bin/python" ]; then
 else
   py="python3"
 fi
+export COSMOS3_BATCH_CACHE="${COSMOS3_BATCH_CACHE:-/tmp/cosmos3-batch-cache}"
+if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_check: no CUDA device is visible to $py (torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing)); this check needs one NVIDIA GPU and a CUDA build of torch" >&2
+  exit 2
+fi
+# torch is the image's own (checked above); what it lacks comes from the carried wheels.
 site="${COSMOS3_GPU_SITE:-/tmp/cosmos3-site}"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   "$py" "$ROOT/scripts/fetch_gpu_wheels.py" --dest "$ROOT/.whl" --install "$site" >/dev/null
@@ -27,11 +33,6 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   export PYTHONPATH="$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export COSMOS3_BATCH_CACHE="${COSMOS3_BATCH_CACHE:-/tmp/cosmos3-batch-cache}"
-if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu_check: no CUDA device is visible to $py (torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing)); this check needs one NVIDIA GPU and a CUDA build of torch" >&2
-  exit 2
 fi
 # The measurements get 300 s (the Python side stops starting sections at --budget-s; the shell kills it at
 # 320 s whatever happens, and tables already printed stay printed); tests/gpu gets what is left.

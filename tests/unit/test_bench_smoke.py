@@ -39,6 +39,7 @@ def _script(name: str):
 
 
 gpu_check = _script("gpu_check")
+gpu_check_engine = _script("gpu_check_engine")  # imports gpu_check, registered just above
 
 
 @pytest.mark.dist
@@ -151,13 +152,13 @@ def test_engine_check_wiring_on_cpu(tmp_path):
     cpu, count = torch.device("cpu"), 3
     with torch.no_grad():
         layers = torch.nn.ModuleList(gpu_check.random_layer(cpu, shape) for _ in range(count))
-        gpu_check.write_checkpoint(tmp_path / "transformer", layers)
+        gpu_check_engine.write_checkpoint(tmp_path / "transformer", layers)
         branches = [gpu_check.branch(24, 8, count, cpu, shape) for _ in range(2)]
         results = {}
         for mode in ("resident", "local", "allgather"):
-            weights = gpu_check.engine_weights(mode, layers, tmp_path, count, cpu, shape)
+            weights = gpu_check_engine.engine_weights(mode, layers, tmp_path, count, cpu, shape)
             try:
-                gpu_check.pass_seconds(weights, gpu_check.split_for(count), branches, count, 1, cpu)
+                gpu_check_engine.pass_seconds(weights, gpu_check.split_for(count), branches, count, 1, cpu)
             finally:
                 weights.close()
             results[mode] = [seq.gen_hidden.clone() for seq, _ in branches]
