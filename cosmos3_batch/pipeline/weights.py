@@ -10,6 +10,10 @@ from cosmos3_batch.engine.transport import Counters, OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, UND, layer_parts, part_index
 from cosmos3_batch.model.loading import Checkpoint
 
+# Two GEN slots and one UND slot (see engine/slots.py). Device memory for weights is
+# sum(engine.offload.slot_sizes(layouts, lanes, dict(LANE_SLOTS))): planner.py should count the same.
+LANE_SLOTS = ((GEN, 2), (UND, 1))
+
 
 class ResidentWeights:
     """All layers live on the device: the baseline every offload mode is compared with."""
@@ -78,8 +82,6 @@ def build_weights(layers: torch.nn.ModuleList, checkpoint: Checkpoint, mode: Off
     bindings = [
         PartBinding(key, tuple(params), lane=key.rsplit(".", 1)[1]) for key, params in layer_parts(layers)
     ]
-    config = OffloadConfig(
-        mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=((GEN, 2), (UND, 1))
-    )
+    config = OffloadConfig(mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=LANE_SLOTS)
     engine = LayerOffload(bindings, checkpoint.store("transformer"), config, world.device, world.gather_group)
     return OffloadedWeights(engine, layers)
