@@ -20,8 +20,10 @@ from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from cosmos3_batch.prefill import PrefillRule
 from cosmos3_batch.requests import Request
 from cosmos3_batch.schedule import assign, vision_tokens
+from cosmos3_batch.simulator import PartBytes, SimRequest, Simulation, simulate
 
 GB = 1e9
 IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
@@ -293,6 +295,44 @@ def describe(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def simulate_job(
+    queues: list[list[Request]],
+    max_active: int,
+    rule: PrefillRule,
+    shape: ModelShape | None,
+    mode: OffloadMode,
+    world: int,
+) -> Simulation:
+    """The pass simulator on this job's schedule, with the engine's part sizes when the model is known."""
+    parts = PartBytes()
+    if shape is not None:
+        gen = [p for p in shape.parts if p.key.endswith(GEN)]
+        und = [p for p in shape.parts if not p.key.endswith(GEN)]
+        parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
+    sim_queues = [
+        [SimRequest(r.id, r.num_inference_steps, 1 if r.guidance_scale == 1.0 else 2) for r in queue]
+        for queue in queues
+    ]
+    return simulate(sim_queues, max_active, rule, parts)
+
+
+def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, with_bytes: bool) -> str:
+    rule_text = (
+        f"--prefill-free-share {rule.free_share:g} --prefill-max-wait {rule.max_wait} "
+        f"--prefill-lookahead {rule.lookahead}, --max-active {max_active}"
+    )
+    lines = [
+        f"simulated passes        {sim.passes:,} ({sim.und_passes:,} UND passes; {rule_text})",
+        f"mean slot occupancy     {sim.occupancy:.1%}",
+    ]
+    if with_bytes:
+        lines += [
+            f"weight bytes per output {_size(sim.bytes_per_output)} (UND halves: {sim.und_byte_share:.1%})",
+            f"weight bytes per rank   {_size(sim.bytes_per_rank)} over the run",
+        ]
+    return "\n".join(lines)
+
+
 def resolvable(est: Estimate) -> bool:
     """Below a millisecond per pass the roofline says nothing true (launch and Python overheads dominate):
     print no throughput then rather than billions of outputs per hour."""
@@ -316,8 +356,10 @@ def plan_job(
     hw: Hardware,
     shard: str | None = None,
     max_vision_tokens: int = 65536,
+    rule: PrefillRule | None = None,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
+    rule = rule if rule is not None else PrefillRule()
     from cosmos3_batch.config import parse_offload
     from cosmos3_batch.pipeline.job import limits_for
     from cosmos3_batch.requests import ModelLimits, load_requests
@@ -349,8 +391,11 @@ def plan_job(
     }
     text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
     text.append(describe_schedule(assignment))
-    if checkpoint is not None:
-        shape = model_shape(checkpoint, nproc, torch.bfloat16)
+    shape = model_shape(checkpoint, nproc, torch.bfloat16) if checkpoint is not None else None
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
+    doc["simulation"] = sim.to_dict()
+    text += ["", describe_simulation(sim, rule, max_active, shape is not None)]
+    if shape is not None:
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
         doc["estimate"] = est.to_dict()

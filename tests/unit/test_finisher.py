@@ -45,8 +45,8 @@ def test_passes_continue_while_a_finished_request_decodes(tiny_ckpt, monkeypatch
     runner = PassRunner(ctx, ResidentWeights(ctx.layers), 2, on_finished)
     original_pass = runner._pass
 
-    def counting_pass(active, und):
-        original_pass(active, und)
+    def counting_pass(active, und, prefill):
+        original_pass(active, und, prefill)
         if runner.passes >= 4:
             reached.set()
 
