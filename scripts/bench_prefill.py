@@ -100,10 +100,9 @@ def grid(worlds: list[int], max_active: int) -> None:
 
 
 def real_run(rows: list[dict], rule: PrefillRule, world: int, max_active: int) -> dict:
-    from tests.conftest import write_jsonl
-
     folder = Path(tempfile.mkdtemp(prefix="bench-prefill-"))
-    prompts = write_jsonl(folder / "p.jsonl", rows)
+    prompts = folder / "p.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cmd = [sys.executable, "-m", "cosmos3_batch.launch", "--standalone", f"--nproc-per-node={world}"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--out", str(folder / "out"), "--no-progress"]
     cmd += ["--max-active", str(max_active), "--prefill-free-share", str(rule.free_share)]
