@@ -82,8 +82,8 @@ def run(
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     prefill_free_share: Annotated[float, typer.Option(help=FREE_SHARE_HELP)] = 0.25,
-    prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = 4,
-    prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 2,
+    prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = 2,
+    prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 3,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
     130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
@@ -145,8 +145,8 @@ def plan(
     max_vision_tokens: Annotated[int, typer.Option(help="As `run --max-vision-tokens`.")] = 65536,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     prefill_free_share: Annotated[float, typer.Option(help="As `run --prefill-free-share`.")] = 0.25,
-    prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = 4,
-    prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = 2,
+    prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = 2,
+    prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = 3,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json

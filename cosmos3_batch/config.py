@@ -65,7 +65,7 @@ def parse_offload(name: str) -> OffloadMode:
 
 
 def make_config(
-    offload: str, shard: str | None, prefill: tuple[float, int, int] = (0.25, 4, 2), **flags
+    offload: str, shard: str | None, prefill: tuple[float, int, int] = (0.25, 2, 3), **flags
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
     `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead)."""

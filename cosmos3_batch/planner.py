@@ -148,6 +148,7 @@ def estimate(
     mode: OffloadMode,
     max_active: int,
     hw: Hardware,
+    lookahead: int = 0,
 ) -> Estimate:
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
@@ -160,7 +161,9 @@ def estimate(
     gen_tokens = vision_tokens(typical) if typical else 0
     und = int(statistics.median(und_tokens.values())) if und_tokens else 0
     active = [(branches, und, gen_tokens)] * (max_active if typical else 0)
-    activations = _activation_bytes(shape, active)
+    # Requests prefilled ahead hold their UND K/V (no GEN stream yet) until a slot frees.
+    ahead = [(branches, und, 0)] * (lookahead if typical else 0)
+    activations = _activation_bytes(shape, active + ahead)
     h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
     sequences = branches * max_active if typical else 0
     pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_tokens, und))
@@ -269,7 +272,7 @@ def describe(est: Estimate) -> str:
         ),
         (
             "  of which activations",
-            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active",
+            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active + UND K/V prefilled ahead",
         ),
         (
             "per pass per rank",
@@ -397,7 +400,7 @@ def plan_job(
     text += ["", describe_simulation(sim, rule, max_active, shape is not None)]
     if shape is not None:
         tokens = prompt_tokens(checkpoint, requests)
-        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
+        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead)
         doc["estimate"] = est.to_dict()
         if not resolvable(est):
             doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)

@@ -30,8 +30,8 @@ class PrefillRule:
     """Defaults chosen with the simulator (README, "Choosing the prefill rule")."""
 
     free_share: float = 0.25  # call a UND pass when this share of the world's slots is starved ...
-    max_wait: int = 4  # ... or a starved slot has waited this many passes
-    lookahead: int = 2  # requests per rank prefilled ahead of a free slot (their UND K/V held)
+    max_wait: int = 2  # ... or a starved slot has waited this many passes
+    lookahead: int = 3  # requests per rank prefilled ahead of a free slot (their UND K/V held)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.free_share <= 1.0:

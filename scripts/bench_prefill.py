@@ -74,6 +74,17 @@ def realistic(world: int, per_rank: int, seed: int) -> list[list[SimRequest]]:
     ]
 
 
+def mix_queues(seed: int, world: int) -> list[list[SimRequest]]:
+    from cosmos3_batch.requests import parse_lines
+    from cosmos3_batch.schedule import assign
+
+    requests, _ = parse_lines([json.dumps(r).encode() for r in issue_mix(seed)])
+    return [
+        [SimRequest(r.id, r.num_inference_steps, 1 if r.guidance_scale == 1.0 else 2) for r in queue]
+        for queue in assign(requests, world).queues
+    ]
+
+
 def row(label: str, sim: Simulation) -> str:
     return (
         f"| {label} | {sim.passes} | {sim.und_passes} | {sim.und_byte_share:.1%} | {sim.occupancy:.1%} "
@@ -83,12 +94,23 @@ def row(label: str, sim: Simulation) -> str:
 
 def grid(worlds: list[int], max_active: int) -> None:
     rules = [
-        ("free 0.25, wait 4, ahead 2 (default)", PrefillRule(0.25, 4, 2)),
+        ("free 0.25, wait 2, ahead 4", PrefillRule(0.25, 2, 4)),
+        ("free 0.25, wait 2, ahead 3 (default)", PrefillRule(0.25, 2, 3)),
+        ("free 0.25, wait 4, ahead 2", PrefillRule(0.25, 4, 2)),
         ("free 0.25, wait 4, ahead 1", PrefillRule(0.25, 4, 1)),
         ("free 0.5, wait 8, ahead 2", PrefillRule(0.5, 8, 2)),
         ("free 0.125, wait 2, ahead 2", PrefillRule(0.125, 2, 2)),
         ("free 0.25, wait 4, ahead 0", PrefillRule(0.25, 4, 0)),
     ]
+    print(f"\n### Simulated: the 48-request mix, 6 seeds, N=4, --max-active {max_active}\n")
+    print("| rule | occupancy (min-max) | UND share of bytes (min-max) |")
+    print("|---|---|---|")
+    label, make = OLD
+    for name, rule in [(label, make(4 * max_active)), *rules]:
+        sims = [simulate(mix_queues(seed, 4), max_active, rule, PartBytes(1, 1)) for seed in range(6)]
+        occ = [s.occupancy for s in sims]
+        und = [s.und_byte_share for s in sims]
+        print(f"| {name} | {min(occ):.1%}-{max(occ):.1%} | {min(und):.1%}-{max(und):.1%} |")
     print(f"\n### Simulated, Nano part sizes, --max-active {max_active}, 16 requests per rank\n")
     print("| N | rule | passes | UND passes | UND share of bytes | occupancy | GB per output |")
     print("|---|---|---|---|---|---|---|")
