@@ -16,6 +16,14 @@ app = typer.Typer(
 )
 
 
+FREE_SHARE_HELP = (
+    "Fetch the UND (text) halves for the whole world when this share of all slots is free with no "
+    "prefilled request to take it (README: choosing the prefill rule)."
+)
+MAX_WAIT_HELP = "... or when a free slot has waited this many passes for a UND pass."
+LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V kept until a slot frees)."
+
+
 @app.command()
 def run(
     prompts: Annotated[
@@ -73,6 +81,9 @@ def run(
         ),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    prefill_free_share: Annotated[float, typer.Option(help=FREE_SHARE_HELP)] = 0.25,
+    prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = 2,
+    prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 3,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
     130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
@@ -97,6 +108,7 @@ def run(
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
             shard=shard,
+            prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
         )
         code, line = run_job(cfg)
     except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract
@@ -132,16 +144,21 @@ def plan(
     ] = None,
     max_vision_tokens: Annotated[int, typer.Option(help="As `run --max-vision-tokens`.")] = 65536,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    prefill_free_share: Annotated[float, typer.Option(help="As `run --prefill-free-share`.")] = 0.25,
+    prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = 2,
+    prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = 3,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
 
     from cosmos3_batch import planner
+    from cosmos3_batch.prefill import PrefillRule
 
     hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
     try:
+        rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead)
         doc, text = planner.plan_job(
-            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens
+            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule
         )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

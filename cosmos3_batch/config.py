@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosmos3_batch.engine.transport import OffloadMode
+from cosmos3_batch.prefill import PrefillRule
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -31,6 +32,9 @@ class RunConfig:
     shard: tuple[int, int] | None = None  # (index, count): this job runs one slice of the file
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
+    prefill: PrefillRule = field(
+        default_factory=PrefillRule
+    )  # when the world fetches the UND halves (DESIGN.md §4)
 
     @property
     def tag(self) -> str:
@@ -60,12 +64,16 @@ def parse_offload(name: str) -> OffloadMode:
         raise ConfigError(f"--offload must be one of {modes}, got {name!r}") from None
 
 
-def make_config(offload: str, shard: str | None, **flags) -> RunConfig:
-    """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2)."""
+def make_config(
+    offload: str, shard: str | None, prefill: tuple[float, int, int] = (0.25, 2, 3), **flags
+) -> RunConfig:
+    """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
+    `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead)."""
     from cosmos3_batch.schedule import parse_shard
 
     try:
         parsed = None if shard is None else parse_shard(shard)
-        return RunConfig(offload=parse_offload(offload), shard=parsed, **flags)
+        rule = PrefillRule(*prefill)
+        return RunConfig(offload=parse_offload(offload), shard=parsed, prefill=rule, **flags)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

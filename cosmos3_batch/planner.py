@@ -20,8 +20,10 @@ from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from cosmos3_batch.prefill import PrefillRule
 from cosmos3_batch.requests import Request
 from cosmos3_batch.schedule import assign, vision_tokens
+from cosmos3_batch.simulator import PartBytes, SimRequest, Simulation, simulate
 
 GB = 1e9
 IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
@@ -146,6 +148,7 @@ def estimate(
     mode: OffloadMode,
     max_active: int,
     hw: Hardware,
+    lookahead: int = 0,
 ) -> Estimate:
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
@@ -158,7 +161,9 @@ def estimate(
     gen_tokens = vision_tokens(typical) if typical else 0
     und = int(statistics.median(und_tokens.values())) if und_tokens else 0
     active = [(branches, und, gen_tokens)] * (max_active if typical else 0)
-    activations = _activation_bytes(shape, active)
+    # Requests prefilled ahead hold their UND K/V (no GEN stream yet) until a slot frees.
+    ahead = [(branches, und, 0)] * (lookahead if typical else 0)
+    activations = _activation_bytes(shape, active + ahead)
     h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
     sequences = branches * max_active if typical else 0
     pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_tokens, und))
@@ -267,7 +272,7 @@ def describe(est: Estimate) -> str:
         ),
         (
             "  of which activations",
-            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active",
+            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active + UND K/V prefilled ahead",
         ),
         (
             "per pass per rank",
@@ -290,6 +295,44 @@ def describe(est: Estimate) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"WARNING: {w}" for w in est.warnings]
+    return "\n".join(lines)
+
+
+def simulate_job(
+    queues: list[list[Request]],
+    max_active: int,
+    rule: PrefillRule,
+    shape: ModelShape | None,
+    mode: OffloadMode,
+    world: int,
+) -> Simulation:
+    """The pass simulator on this job's schedule, with the engine's part sizes when the model is known."""
+    parts = PartBytes()
+    if shape is not None:
+        gen = [p for p in shape.parts if p.key.endswith(GEN)]
+        und = [p for p in shape.parts if not p.key.endswith(GEN)]
+        parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
+    sim_queues = [
+        [SimRequest(r.id, r.num_inference_steps, 1 if r.guidance_scale == 1.0 else 2) for r in queue]
+        for queue in queues
+    ]
+    return simulate(sim_queues, max_active, rule, parts)
+
+
+def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, with_bytes: bool) -> str:
+    rule_text = (
+        f"--prefill-free-share {rule.free_share:g} --prefill-max-wait {rule.max_wait} "
+        f"--prefill-lookahead {rule.lookahead}, --max-active {max_active}"
+    )
+    lines = [
+        f"simulated passes        {sim.passes:,} ({sim.und_passes:,} UND passes; {rule_text})",
+        f"mean slot occupancy     {sim.occupancy:.1%}",
+    ]
+    if with_bytes:
+        lines += [
+            f"weight bytes per output {_size(sim.bytes_per_output)} (UND halves: {sim.und_byte_share:.1%})",
+            f"weight bytes per rank   {_size(sim.bytes_per_rank)} over the run",
+        ]
     return "\n".join(lines)
 
 
@@ -316,8 +359,10 @@ def plan_job(
     hw: Hardware,
     shard: str | None = None,
     max_vision_tokens: int = 65536,
+    rule: PrefillRule | None = None,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
+    rule = rule if rule is not None else PrefillRule()
     from cosmos3_batch.config import parse_offload
     from cosmos3_batch.pipeline.job import limits_for
     from cosmos3_batch.requests import ModelLimits, load_requests
@@ -349,10 +394,13 @@ def plan_job(
     }
     text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
     text.append(describe_schedule(assignment))
-    if checkpoint is not None:
-        shape = model_shape(checkpoint, nproc, torch.bfloat16)
+    shape = model_shape(checkpoint, nproc, torch.bfloat16) if checkpoint is not None else None
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
+    doc["simulation"] = sim.to_dict()
+    text += ["", describe_simulation(sim, rule, max_active, shape is not None)]
+    if shape is not None:
         tokens = prompt_tokens(checkpoint, requests)
-        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw)
+        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead)
         doc["estimate"] = est.to_dict()
         if not resolvable(est):
             doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +21,28 @@ class ModelContext:
     scheduler_config: dict
     device: torch.device
     use_native_flow_schedule: bool
-    # The Wan VAE keeps per-call state on the module: the finisher's decodes and I2V encodes at admission
-    # must not interleave.
-    vae_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The Wan VAE keeps its per-call feature caches as attributes of the module object. Decodes (finisher
+    # thread) use `vae`; encodes at admission (the loop) use `encode_helper`, whose VAE is a shallow copy:
+    # the same weights, its own cache attributes, so an I2V admission never waits behind a decode.
+    encode_helper: object = None
+    vae_lock: threading.Lock = field(default_factory=threading.Lock)  # decodes, one at a time
+    encode_lock: threading.Lock = field(default_factory=threading.Lock)  # encodes, one at a time
+
+    def __post_init__(self) -> None:
+        if self.encode_helper is None:
+            self.encode_helper = encoder_view(self.helper, self.vae)
 
     @property
     def layers(self) -> torch.nn.ModuleList:
         return self.split.transformer.layers
+
+
+def encoder_view(helper, vae: torch.nn.Module):
+    """A copy of the helper pipeline whose VAE shares every parameter with `vae` but not its caches."""
+    view = copy.copy(helper)
+    # Plain attribute writes on the copies: the originals (and their registered configs) stay untouched.
+    object.__setattr__(view, "vae", copy.copy(vae))
+    return view
 
 
 def load_tokenizer(checkpoint: Checkpoint):

@@ -110,14 +110,14 @@ class RequestJob:
                 image.load()
             except OSError as exc:
                 raise RequestFailed(f"cannot read image {r.image}: {exc}") from exc
-            with ctx.vae_lock:
+            with ctx.encode_lock:
                 out = self._prepare_image_latents(image, generator)
             return out[0], out[5]
         return self._noise_latents(generator)
 
     def _prepare_image_latents(self, image, generator: torch.Generator):
         r, ctx = self.request, self.ctx
-        return ctx.helper.prepare_latents(
+        return ctx.encode_helper.prepare_latents(
             image=image,
             num_frames=r.num_frames,
             height=r.height,

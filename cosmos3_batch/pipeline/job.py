@@ -290,7 +290,15 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     writer = ResultWriter(cfg, plan.model_dir, metrics, plan.model_identity, rank=world.rank)
     sync = PassSync(world.world_size, world.exchange_group)
     runner = PassRunner(
-        ctx, weights, cfg.max_active, writer, sync, bar.update, und_cache=cfg.und_cache, stop=stop
+        ctx,
+        weights,
+        cfg.max_active,
+        writer,
+        sync,
+        bar.update,
+        und_cache=cfg.und_cache,
+        stop=stop,
+        rule=cfg.prefill,
     )
     try:
         runner.run(mine)
@@ -377,6 +385,8 @@ def _rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers
         "stall_s": round(totals.stall_s, 6),
         "collective_s": round(totals.collective_s, 6),
         "und_runs": runner.und_runs,
+        # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
+        "active_sum": sum(record.active for record in runner.timeline),
     }
 
 

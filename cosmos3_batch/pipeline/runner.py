@@ -1,14 +1,16 @@
 """The pass loop (DESIGN.md §4): collectives that do not depend on the requests.
 
 Every pass, on every rank:
-1. one small all-reduce on a host (gloo) group: [active sequences, needs-UND flag, finished count,
-   stop flag]; a global active count of 0, or a stop flag from any rank (SIGINT/SIGTERM), ends the run
-   on every rank at the same pass;
-2. walk layers 0..L-1 fetching the same parts in the same order (GEN always, UND only if some rank
-   flagged it): a rank with nothing active only takes part in the transfers;
-3. apply each part to all of this rank's active branches;
-4. finish each request's step on its own (head, CFG, its scheduler), decode and write finished ones,
-   admit new ones up to `max_active`.
+1. fill free slots from the requests prefilled ahead, then one small all-reduce on a host (gloo) group:
+   [active, starved slots, overdue, pending, needs-UND, finished, stop]; nothing active or pending
+   anywhere, or a stop flag from any rank (SIGINT/SIGTERM), ends the run on every rank at the same pass;
+2. from those sums alone, every rank decides whether this is a UND (prefill) pass (`prefill.py`); on
+   one, each rank admits requests into its free slots and prefills a few more ahead;
+3. walk layers 0..L-1 fetching the same parts in the same order (GEN always, UND on UND passes): a
+   rank with nothing active only takes part in the transfers; UND halves run for the branches being
+   prefilled, GEN halves for the active ones;
+4. finish each request's step on its own (head, CFG, its scheduler); finished ones go to the finisher
+   thread (decode + write off the loop).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.stop import StopRequest
+from cosmos3_batch.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
@@ -46,10 +49,13 @@ class LayerWeights(Protocol):
 
 @dataclass(frozen=True)
 class Exchanged:
-    """What the per-pass all-reduce tells every rank about the whole world."""
+    """What the per-pass all-reduce tells every rank about the whole world (sums over ranks)."""
 
-    active: int  # sequences (requests) active on all ranks this pass
-    und: bool  # some rank needs the UND parts this pass
+    active: int  # requests active on all ranks this pass (before this pass's admissions)
+    starved: int  # free slots that no prefilled request can fill while requests are queued
+    overdue: int  # ranks whose starved slot has waited --prefill-max-wait passes
+    pending: int  # requests queued or prefilled, not yet active
+    und: bool  # some active request needs the UND parts anyway (the --no-und-cache ablation)
     finished: int  # requests reported (written or failed) on all ranks since the last pass
     stop: bool  # some rank was asked to stop (SIGINT / SIGTERM)
 
@@ -69,7 +75,7 @@ class PassRecord(NamedTuple):
 class PassSync:
     """The one collective per pass. Also keeps a trace of every collective this rank issues.
 
-    The group is a host (gloo) group on every backend: four integers need no device, and a device tensor
+    The group is a host (gloo) group on every backend: seven integers need no device, and a device tensor
     here would cost two device syncs per pass (the copy in and `.tolist()`)."""
 
     def __init__(self, world_size: int = 1, group=None):
@@ -78,15 +84,18 @@ class PassSync:
         self.all_reduces = 0
         self._trace = hashlib.sha256()
 
-    def exchange(self, active: int, needs_und: bool, finished: int, stop: bool = False) -> Exchanged:
+    def exchange(
+        self, active: int, slots: SlotReport, needs_und: bool, finished: int, stop: bool = False
+    ) -> Exchanged:
         self.all_reduces += 1
-        self.note("all_reduce:4")
-        if self.world_size == 1:
-            return Exchanged(active, needs_und, finished, stop)
-        values = torch.tensor([active, int(needs_und), finished, int(stop)], dtype=torch.int64)
-        dist.all_reduce(values, group=self.group)
-        total_active, und_ranks, total_finished, stops = values.tolist()
-        return Exchanged(total_active, und_ranks > 0, total_finished, stops > 0)
+        self.note("all_reduce:7")
+        values = [active, slots.starved, slots.overdue, slots.pending, int(needs_und), finished, int(stop)]
+        if self.world_size > 1:
+            tensor = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(tensor, group=self.group)
+            values = tensor.tolist()
+        total, starved, overdue, pending, und, done, stops = values
+        return Exchanged(total, starved, overdue, pending, und > 0, done, stops > 0)
 
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")
@@ -107,6 +116,7 @@ class PassRunner:
         on_progress: Callable[[int], None] | None = None,
         und_cache: bool = True,
         stop: StopRequest | None = None,
+        rule: PrefillRule | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -118,6 +128,9 @@ class PassRunner:
         self.on_progress = on_progress
         self.und_cache = und_cache
         self.stop = stop if stop is not None else StopRequest()
+        rule = rule if rule is not None else PrefillRule()
+        # Without the UND cache every step recomputes UND anyway: prefilling ahead would only hold memory.
+        self.rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
@@ -141,26 +154,36 @@ class PassRunner:
             self.finisher.close()
 
     def _loop(self, queue: deque) -> None:
+        slots = RankSlots(queue, self.max_active, self.rule)
         active: list[RequestJob] = []
+        world_slots = self.sync.world_size * self.max_active
         while True:
-            if not self.stop.requested:
-                active.extend(self._admit(queue, self.max_active - len(active)))
-            local_und = any(job.needs_und for job in active)
+            active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
+            report = slots.report(len(active))
+            local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
             with self._count_lock:
                 mine, self._reported = self._reported, 0
-            world = self.sync.exchange(len(active), local_und, mine, self.stop.requested)
+            world = self.sync.exchange(len(active), report, local_und, mine, self.stop.requested)
             if self.on_progress is not None and world.finished > mine:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
                 self.interrupted = True
-                self.abandoned, self.not_started = active, list(queue)
+                self.abandoned, self.not_started = active + list(slots.ready), list(slots.queue)
                 return
-            if world.active == 0:
+            if world.active == 0 and world.pending == 0:
                 return
+            # The same decision on every rank: it reads only the all-reduced sums.
+            und = world.und or und_pass(self.rule, world_slots, world.active, world.starved, world.overdue)
+            prefill: list[RequestJob] = []
+            if und:
+                now, later = slots.admissions(len(active))
+                active += self._admit(now)
+                prefill = self._admit(later)
             # Start fetching the first part now, so the transfer overlaps the per-request embedding.
-            self.weights.begin_pass(world.und)
+            self.weights.begin_pass(und)
             active = self._begin(active)
-            self._pass(active, world.und)
+            self._pass(active, und, prefill)
+            slots.ready.extend(self._drop_failed(prefill))
             active = self._finish(active)
 
     def _report(self, job: RequestJob, result: Result | None, error: str | None) -> None:
@@ -171,10 +194,10 @@ class PassRunner:
         if self.on_progress is not None:
             self.on_progress(1)
 
-    def _admit(self, queue: deque, free: int) -> list[RequestJob]:
+    def _admit(self, requests: list[Request]) -> list[RequestJob]:
         admitted = []
-        while queue and len(admitted) < free:
-            job = RequestJob(self.ctx, queue.popleft(), und_cache=self.und_cache)
+        for request in requests:
+            job = RequestJob(self.ctx, request, und_cache=self.und_cache)
             try:
                 job.prepare()
             except Exception as exc:  # a bad request must not take the job down
@@ -182,6 +205,15 @@ class PassRunner:
                 continue
             admitted.append(job)
         return admitted
+
+    def _drop_failed(self, jobs: list[RequestJob]) -> list[RequestJob]:
+        ok = []
+        for job in jobs:
+            if job.error is not None:
+                self.finisher.fail(job, job.error)
+            else:
+                ok.append(job)
+        return ok
 
     def _begin(self, active: list[RequestJob]) -> list[RequestJob]:
         ok = []
@@ -194,19 +226,22 @@ class PassRunner:
             ok.append(job)
         return ok
 
-    def _pass(self, active: list[RequestJob], und_flag: bool) -> None:
+    def _pass(self, active: list[RequestJob], und_flag: bool, prefill: list[RequestJob]) -> None:
+        """Walk the layers: UND halves (if fetched) for every branch still to prefill, the active ones and
+        those prefilled ahead; GEN halves for the active ones."""
         split, weights = self.ctx.split, self.weights
         started = time.perf_counter()
+        prefilling = active + prefill
         for index in range(split.num_layers):
             if und_flag:
                 self.sync.note(f"part:{index}.{UND}")
-                self._apply(active, weights.layer(index, UND), index, UND)
+                self._apply(prefilling, weights.layer(index, UND), index, UND)
             self.sync.note(f"part:{index}.{GEN}")
             self._apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
         ended = time.perf_counter()
         self.pass_s += ended - started
-        self._account(active, counters)
+        self._account(prefilling, counters)
         self.timeline.append(
             PassRecord(
                 self.passes,
@@ -240,13 +275,13 @@ class PassRunner:
             except Exception as exc:
                 job.error = _describe(exc)
 
-    def _account(self, active: list[RequestJob], counters: Counters) -> None:
+    def _account(self, riders: list[RequestJob], counters: Counters) -> None:
         for name in ("h2d_bytes", "gathered_bytes", "stall_s", "collective_s", "fetches"):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(counters, name))
-        # A pass's weight traffic is shared by the requests that rode on it.
-        for job in active:
-            job.weight_bytes += (counters.h2d_bytes + counters.gathered_bytes) / len(active)
-            job.stall_s += counters.stall_s / len(active)
+        # A pass's weight traffic is shared by the requests that rode on it (prefilled ones included).
+        for job in riders:
+            job.weight_bytes += (counters.h2d_bytes + counters.gathered_bytes) / len(riders)
+            job.stall_s += counters.stall_s / len(riders)
 
     def _finish(self, active: list[RequestJob]) -> list[RequestJob]:
         still = []

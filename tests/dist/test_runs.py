@@ -14,11 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from cosmos3_batch import planner
 from cosmos3_batch.checkpoint import TensorStore
 from cosmos3_batch.engine.layout import ParamSpec, build_part_layout
+from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from cosmos3_batch.prefill import PrefillRule
+from cosmos3_batch.requests import load_requests
+from cosmos3_batch.schedule import assign
 from tests.conftest import assert_same_outputs, write_jsonl
 
 pytestmark = pytest.mark.dist
@@ -83,6 +89,22 @@ def layer_bytes(tiny_ckpt: Path, world_size: int) -> dict[str, int]:
     return sums
 
 
+def assert_simulated(
+    summary: dict, prompts: Path, tiny_ckpt: Path, mode: str, max_active: int, rule: PrefillRule
+) -> None:
+    """The pass simulator predicts this run's passes, UND passes, bytes and occupancy exactly."""
+    world = len(summary["ranks"])
+    requests, _ = load_requests(str(prompts))
+    shape = planner.model_shape(Checkpoint.open(tiny_ckpt), world, torch.bfloat16)
+    queues = assign(requests, world).queues
+    sim = planner.simulate_job(queues, max_active, rule, shape, OffloadMode(mode), world)
+    ranks = summary["ranks"]
+    assert (sim.passes, sim.und_passes) == (ranks[0]["passes"], ranks[0]["und_passes"])
+    assert [r["h2d_bytes"] + r["gathered_bytes"] for r in ranks] == [sim.bytes_per_rank] * world
+    active = sum(r["active_sum"] for r in ranks)
+    assert active == round(sim.occupancy * sim.passes * world * max_active)
+
+
 def assert_lockstep(summary: dict, world_size: int) -> None:
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == list(range(world_size))
@@ -104,6 +126,7 @@ def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, wor
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == 7 and summary["failed"] == []
     assert_lockstep(summary, world_size)
+    assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule())
     sizes = layer_bytes(tiny_ckpt, world_size)
     layers = 2
     for rank in summary["ranks"]:
@@ -119,6 +142,34 @@ def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, wor
             assert rank["gathered_bytes"] == (full - shard if world_size > 1 else 0)
         if mode == "local":
             assert rank["gathered_bytes"] == 0 and 0 < rank["h2d_bytes"] <= full
+
+
+@pytest.mark.parametrize(
+    ("world_size", "max_active", "rule"),
+    [
+        pytest.param(2, 2, PrefillRule(0.5, 1, 3), id="w2-lookahead3"),
+        pytest.param(3, 3, PrefillRule(1.0, 0, 0), id="w3-every-starved-slot"),
+        pytest.param(4, 2, PrefillRule(0.25, 6, 1), id="w4-long-wait"),
+    ],
+)
+def test_prefill_rules_are_bit_exact_and_simulated_exactly(tmp_path, tiny_ckpt, world_size, max_active, rule):
+    """Prefilled-ahead requests, waits and coalesced UND passes change when UND runs, never the outputs."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", random_mix(seed=world_size, count=10))
+    ref = tmp_path / "ref"
+    proc = single(prompts, "--model", tiny_ckpt, "--out", ref, "--offload", "resident", "--save-latents")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    flags = ["--prefill-free-share", rule.free_share, "--prefill-max-wait", rule.max_wait]
+    flags += ["--prefill-lookahead", rule.lookahead, "--max-active", max_active]
+    proc = torchrun(world_size, prompts, "--model", tiny_ckpt, "--out", out, "--save-latents", *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_outputs(ref, out, [f"r{i}" for i in range(10)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert_lockstep(summary, world_size)
+    assert_simulated(summary, prompts, tiny_ckpt, "allgather", max_active, rule)
+    # Every branch ran its UND half exactly once, prefilled ahead or not.
+    branches = sum(1 if row["guidance_scale"] == 1.0 else 2 for row in random_mix(world_size, 10))
+    assert sum(r["und_runs"] for r in summary["ranks"]) == branches * 2  # x 2 layers
 
 
 def test_more_ranks_than_requests(mix, tmp_path, tiny_ckpt):

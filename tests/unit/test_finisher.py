@@ -12,6 +12,7 @@ from cosmos3_batch.pipeline.denoise import RequestJob
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.prefill import PrefillRule
 from cosmos3_batch.requests import parse_lines
 
 
@@ -47,8 +48,8 @@ def test_passes_continue_while_a_finished_request_decodes(tiny_ckpt, monkeypatch
     runner = PassRunner(ctx, ResidentWeights(ctx.layers), 2, on_finished)
     original_pass = runner._pass
 
-    def counting_pass(active, und):
-        original_pass(active, und)
+    def counting_pass(active, und, prefill):
+        original_pass(active, und, prefill)
         if runner.passes >= 4:
             reached.set()
 
@@ -123,3 +124,87 @@ def test_a_failed_decode_waits_for_its_side_stream_before_reporting():
         "side waits ready",
         "report result",  # a good decode ends in host copies: no extra wait
     ]
+
+
+def _lines(rows: list[str]):
+    requests, errors = parse_lines([row.encode() for row in rows])
+    assert errors == []
+    return requests
+
+
+def test_a_blocked_write_does_not_hold_the_loop(tiny_ckpt):
+    """The writer takes no lock the loop takes: while the first request's files are being written (held
+    here on an event), the loop keeps running passes for the others (counted, not timed)."""
+    requests = _lines(
+        [
+            '{"id": "first", "prompt": "a", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}',
+            '{"id": "other", "prompt": "b", "num_frames": 1, "size": "32x32", "num_inference_steps": 12}',
+        ]
+    )
+    ctx = load_context(tiny_ckpt, torch.device("cpu"))
+    released = threading.Event()
+    passes_while_held = []
+
+    def on_finished(job, result, error):
+        if job.request.id == "first":
+            start = runner.passes
+            assert released.wait(timeout=60), "the loop stopped while a write was held"
+            passes_while_held.append(runner.passes - start)
+
+    runner = PassRunner(ctx, ResidentWeights(ctx.layers), 2, on_finished)
+    original_pass = runner._pass
+
+    def counting_pass(active, und, prefill):
+        original_pass(active, und, prefill)
+        if runner.passes >= 8:
+            released.set()
+
+    runner._pass = counting_pass
+    runner.run(requests)
+    assert passes_while_held and passes_while_held[0] >= 5, passes_while_held
+
+
+def test_an_image_encode_does_not_wait_for_a_decode(tiny_ckpt, cond_image):
+    """I2V admissions encode on the VAE's encoder view, not under the decode lock: a decode held open
+    until an I2V request has been admitted and prepared would deadlock with one shared lock."""
+    requests = _lines(
+        [
+            '{"id": "t2i", "prompt": "a", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}',
+            f'{{"id": "i2v", "prompt": "b", "num_frames": 5, "size": "32x32", "num_inference_steps": 2, '
+            f'"image": "{cond_image}"}}',
+        ]
+    )
+    ctx = load_context(tiny_ckpt, torch.device("cpu"))
+    assert ctx.encode_helper.vae is not ctx.vae
+    assert ctx.encode_helper.vae.decoder.conv_in.weight is ctx.vae.decoder.conv_in.weight  # shared weights
+    decoding, prepared = threading.Event(), threading.Event()
+    real_decode, real_prepare = ctx.vae.decode, RequestJob.prepare
+
+    def held_decode(*args, **kwargs):  # runs under the decode lock
+        decoding.set()
+        assert prepared.wait(timeout=60), "the I2V encode waited for the decode lock"
+        return real_decode(*args, **kwargs)
+
+    def prepare(job):
+        if job.request.id == "i2v":
+            assert decoding.wait(timeout=60)  # the decode holds its lock before this encode starts
+        real_prepare(job)
+        if job.request.id == "i2v":
+            prepared.set()
+
+    ctx.vae.decode = held_decode
+    done = {}
+    RequestJob.prepare = prepare
+    try:
+        # One slot and no look-ahead: the I2V request is admitted only once t2i is decoding.
+        runner = PassRunner(
+            ctx,
+            ResidentWeights(ctx.layers),
+            1,
+            lambda job, result, error: done.update({job.request.id: error}),
+            rule=PrefillRule(lookahead=0),
+        )
+        runner.run(requests)
+    finally:
+        RequestJob.prepare = real_prepare
+    assert done == {"t2i": None, "i2v": None}

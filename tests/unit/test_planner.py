@@ -69,6 +69,9 @@ def test_nano_figures_by_hand(nano_config_only):
     kept = 2 * (36 * 300 * 1024 * 2 + gen * 4096) * 2  # two branches: UND K/V cache + GEN stream
     transient = (gen * 12288 * 3 + gen * (4096 + 2048) + (300 + gen) * 2048 + 2 * gen * 4096) * 2
     assert est.activation_bytes_per_rank == kept + transient
+    # Three requests prefilled ahead hold their UND K/V (both branches) and nothing else.
+    ahead = planner.estimate(shape, [request], {"v": 300}, 8, 1, OffloadMode.ALLGATHER, 1, hw, lookahead=3)
+    assert ahead.activation_bytes_per_rank - est.activation_bytes_per_rank == 3 * 2 * 36 * 300 * 1024 * 2 * 2
     compute = (2 * params * 2 * gen + 2 * 4 * gen * (gen + 300) * 32 * 128) / 600e12
     fetch = shard / 50e9 + (padded - shard) / 350e9
     assert est.seconds_per_pass == pytest.approx(36 * max(compute, fetch), rel=1e-12)

@@ -40,9 +40,24 @@ def test_assignment_is_balanced_deterministic_and_complete():
     assert sorted(ids) == sorted(r.id for r in reqs) and len(ids) == len(set(ids))
     # Longest-first greedy is within 4/3 of optimal; with these costs it is within one request of even.
     assert max(a.costs) - min(a.costs) <= max(predicted_cost(r) for r in reqs)
-    for queue in a.queues:  # file order kept inside each rank
-        lines = [r.line for r in queue]
-        assert lines == sorted(lines)
+    for queue in a.queues:  # most steps first inside each rank, file order among equals
+        keys = [(-r.num_inference_steps, r.line) for r in queue]
+        assert keys == sorted(keys)
+
+
+def test_ranks_get_balanced_compute_and_slot_passes():
+    # One 720p video carries as much compute as 43 small images: balancing compute alone puts the video
+    # on one rank and every image on the other, whose slots then need 43x the passes.
+    big = '{{"id": "v{}", "prompt": "x", "size": "1280x720", "num_frames": 9, "num_inference_steps": 40}}'
+    small = '{{"id": "i{}", "prompt": "x", "size": "256x256", "num_frames": 1, "num_inference_steps": 40}}'
+    reqs = requests(big.format(0), *[small.format(i) for i in range(43)])
+    a = assign(reqs, 2)
+    counts = sorted(len(q) for q in a.queues)
+    steps = sorted(sum(r.num_inference_steps for r in q) for q in a.queues)
+    # The worse of the two shares is minimized: 15 / 29 requests (compute alone: 1 / 43), at a predicted
+    # compute idle share under a quarter.
+    assert (counts, steps) == ([15, 29], [600, 1160])
+    assert a.idle_share < 0.25
 
 
 def test_more_ranks_than_requests_and_empty():
