@@ -17,9 +17,11 @@ import torch
 
 from cosmos3_batch.engine.host import CheckpointFileError
 from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
+from cosmos3_batch.engine.offload import slot_sizes
 from cosmos3_batch.engine.transport import OffloadMode
-from cosmos3_batch.model.cosmos3 import GEN, layer_parts
+from cosmos3_batch.model.cosmos3 import GEN, UND, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from cosmos3_batch.pipeline.weights import LANE_SLOTS
 from cosmos3_batch.prefill import PrefillRule
 from cosmos3_batch.requests import Request
 from cosmos3_batch.schedule import assign, vision_tokens
@@ -121,7 +123,8 @@ class Estimate:
     nnodes: int
     mode: str
     max_active: int
-    slot_bytes: int  # one fetch slot on the device (the engine allocates two)
+    slot_bytes: int  # the largest fetch slot on the device
+    slots_bytes: int  # all fetch slots the engine allocates (two GEN slots and one UND slot)
     layer_bytes: int  # all layer parts, padded
     host_private_bytes_per_rank: int
     page_cache_bytes_per_node: int  # must stay cached (local mode); other modes read the files once
@@ -169,7 +172,9 @@ def estimate(
     pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_tokens, und))
     host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
     device = shape.device_resident_bytes + shape.vae_bytes + activations
-    device += layer_bytes if mode is OffloadMode.RESIDENT else 2 * slot
+    lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
+    slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
+    device += layer_bytes if mode is OffloadMode.RESIDENT else slots
     device += shards if mode is OffloadMode.SHARDED else 0
     assignment = assign(requests, world_size)
     token_steps_per_s = (branches * max_active * gen_tokens / pass_s) if pass_s > 0 else 0.0
@@ -178,7 +183,7 @@ def estimate(
     steps = typical.num_inference_steps if typical else 1
     outputs_per_hour = world_size * max_active * 3600 / (steps * pass_s) if pass_s > 0 else 0.0
     est = Estimate(
-        world_size, nnodes, mode.value, max_active, slot, layer_bytes, host_private,
+        world_size, nnodes, mode.value, max_active, slot, slots, layer_bytes, host_private,
         layer_bytes if mode is OffloadMode.LOCAL else 0,
         device, activations, h2d, gathered, pass_s, outputs_per_hour, job_hours, assignment.idle_share, [],
     )  # fmt: skip
@@ -268,7 +273,7 @@ def describe(est: Estimate) -> str:
         ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
         (
             "device per rank",
-            f"{_size(est.device_bytes_per_rank)} (2 slots of {_size(est.slot_bytes)})",
+            f"{_size(est.device_bytes_per_rank)} (weight slots: {_size(est.slots_bytes)}, 2 GEN + 1 UND)",
         ),
         (
             "  of which activations",

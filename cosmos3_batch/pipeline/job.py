@@ -384,6 +384,9 @@ def _rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers
         "gathered_bytes": totals.gathered_bytes,
         "stall_s": round(totals.stall_s, 6),
         "collective_s": round(totals.collective_s, 6),
+        "compute_s": round(totals.compute_s, 6),
+        "h2d_s": round(totals.h2d_s, 6),
+        "stall_share": round(totals.stall_share, 6),
         "und_runs": runner.und_runs,
         # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
         "active_sum": sum(record.active for record in runner.timeline),

@@ -276,8 +276,7 @@ class PassRunner:
                 job.error = _describe(exc)
 
     def _account(self, riders: list[RequestJob], counters: Counters) -> None:
-        for name in ("h2d_bytes", "gathered_bytes", "stall_s", "collective_s", "fetches"):
-            setattr(self.totals, name, getattr(self.totals, name) + getattr(counters, name))
+        self.totals.add(counters)
         # A pass's weight traffic is shared by the requests that rode on it (prefilled ones included).
         for job in riders:
             job.weight_bytes += (counters.h2d_bytes + counters.gathered_bytes) / len(riders)

@@ -188,7 +188,8 @@ def test_zero_valid_requests_finish_cleanly(tmp_path, tiny_ckpt):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["generated_ok"] == 0 and len(summary["invalid"]) == 2
-    assert_lockstep(summary, 2)
+    # Nothing to generate: every rank returns before loading the model, so no pass and no rank report.
+    assert summary["ranks"] == [] and "interrupted" not in summary
 
 
 def test_rank_whose_every_request_fails(tmp_path, tiny_ckpt):

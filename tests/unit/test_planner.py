@@ -100,6 +100,7 @@ def test_slot_size_equals_the_engines(tiny_ckpt):
     assert [s.numel() for s in weights.engine.slots] == [
         est.slot_bytes
     ] * 3  # two GEN slots, one UND slot (equal halves)
+    assert sum(s.numel() for s in weights.engine.slots) == est.slots_bytes
     assert (
         weights.engine.backend.source.host.arena.numel()
         == est.host_private_bytes_per_rank - shape.host_resident_bytes
