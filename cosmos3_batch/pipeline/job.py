@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import signal as signal_module
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from cosmos3_batch.config import RunConfig
 from cosmos3_batch.dist import World, init_world, teardown
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import MetricsWriter, iso_time, merge_metrics, write_passes
+from cosmos3_batch.io.metrics import MetricsWriter, iso_time, merge_metrics, state_dir, write_passes
 from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
 from cosmos3_batch.pipeline.denoise import RequestJob, Result, tokenize
@@ -262,8 +263,10 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     _quiet_other_ranks(world)
     plan = plan_run(cfg)
     ids = {r.id for r in plan.requests}
-    if world.is_main and (stale := outputs.remove_stale_temporaries(cfg.out, ids)):
-        log.info("removed %d temporary file(s) left by an interrupted run", stale)
+    if world.is_main:
+        state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
+        if stale := outputs.remove_stale_temporaries(cfg.out, ids):
+            log.info("removed %d temporary file(s) left by an interrupted run", stale)
     _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
     log.info(
         "%d requests to generate, %d already complete%s, %d invalid",
@@ -286,7 +289,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
-    bar = tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True)
+    bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
     writer = ResultWriter(cfg, plan.model_dir, metrics, plan.model_identity, rank=world.rank)
     sync = PassSync(world.world_size, world.exchange_group)
     runner = PassRunner(
@@ -310,15 +313,38 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
                 "a collective failed: a peer rank died or stalled past --collective-timeout-s (%s)", exc
             )
         raise
-    finally:
+    except BaseException:
         bar.close()
+        raise
+    finally:
         metrics.close()
         weights.close()
         write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
     report = _rank_report(world, runner, writer, gathers)
     report["signal"] = stop.name
-    return _end(cfg, world, plan, world.all_gather_object(report), started, runner)
+    ranks = world.all_gather_object(report)
+    # Peers' outputs written after the last exchange reach rank 0's bar only now.
+    bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
+    bar.close()
+    return _end(cfg, world, plan, ranks, started, runner)
+
+
+class Progress:
+    """The bar, updated from the loop (peers' counts) and the finisher thread (our own): one at a time."""
+
+    def __init__(self, bar: tqdm):
+        self.bar = bar
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        if n > 0:
+            with self._lock:
+                self.bar.update(n)
+
+    def close(self) -> None:
+        with self._lock:
+            self.bar.close()
 
 
 def _end(
@@ -327,7 +353,7 @@ def _end(
     """Metrics merged and summary.json written by rank 0 (also when stopped by a signal), then the exit
     code every rank returns."""
     failed = {k: v for report in ranks for k, v in report.pop("failed").items()}
-    signals = [report.pop("signal") for report in ranks if report.get("signal")]
+    signals = [s for s in (report.pop("signal") for report in ranks) if s]
     interrupted = runner is not None and runner.interrupted
     if world.is_main:
         if ranks:

@@ -168,7 +168,9 @@ class PassRunner:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
                 self.interrupted = True
-                self.abandoned, self.not_started = active + list(slots.ready), list(slots.queue)
+                # Prefilled-ahead requests never took a step: like the queued ones, they were not started.
+                self.abandoned = active
+                self.not_started = [job.request for job in slots.ready] + list(slots.queue)
                 return
             if world.active == 0 and world.pending == 0:
                 return
@@ -294,6 +296,9 @@ class PassRunner:
                 self.finisher.fail(job, _describe(exc))
                 continue
             if job.done:
+                # Only the latents are needed from here: drop the UND caches and GEN streams now, so
+                # device memory does not grow with the decode backlog.
+                job.branches = []
                 self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
             else:
                 still.append(job)
