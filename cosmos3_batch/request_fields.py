@@ -26,7 +26,7 @@ MAX_SEED = 2**63 - 1
 ALLOWED_KEYS = (
     "id", "prompt", "negative_prompt", "size", "width", "height", "num_frames", "fps",
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
-    "extra_params",
+    "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt",
 )  # fmt: skip
 # The prompt templates default to on, as in the reference pipeline: the model was trained with them.
 EXTRA_PARAMS_DEFAULTS = {"use_resolution_template": True, "use_duration_template": True, "guardrails": False}

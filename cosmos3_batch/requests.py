@@ -34,6 +34,7 @@ from cosmos3_batch.request_fields import (
     check_size,
     describe,
 )
+from cosmos3_batch.request_modes import check_system_prompt, check_video
 
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
 
@@ -58,22 +59,37 @@ class Request:
     image: str | None  # absolute path
     use_resolution_template: bool = True
     use_duration_template: bool = True
+    video: str | None = None  # absolute path: video-to-video
+    condition_frames: tuple[int, ...] | None = None  # latent frames kept clean (V2V only)
+    condition_video_keep: str | None = None  # "first" | "last" (V2V only)
+    system_prompt: bool | None = None  # None = the checkpoint's default_use_system_prompt
 
     @property
     def kind(self) -> str:
         if self.num_frames == 1:
             return "t2i"
+        if self.video is not None:
+            return "v2v"
         return "i2v" if self.image is not None else "t2v"
 
     def resolved(self) -> dict[str, Any]:
-        """Every field but `line`: moving a request within its file must not change its record or hash."""
+        """Every field but `line`: moving a request within its file must not change its record or hash.
+
+        Mode fields left at their "not used" value are omitted, so a request that uses none of them records
+        and hashes exactly as before they existed (outputs of earlier runs stay complete on resume)."""
         fields = dataclasses.asdict(self)
         del fields["line"]
+        for key in _MODE_FIELDS:
+            if fields[key] is None:
+                del fields[key]
         return fields
 
     def content_hash(self) -> str:
         canonical = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+_MODE_FIELDS = ("video", "condition_frames", "condition_video_keep", "system_prompt")
 
 
 class RequestFileError(ValueError):
@@ -203,6 +219,8 @@ def _validate_object(
         **check_size(out, obj, limits, num_frames),
         **check_numbers(out, obj, limits, num_frames),
         "image": check_image(out, obj, base_dir, num_frames),
+        **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
+        "system_prompt": check_system_prompt(out, obj),
         **check_extra_params(out, obj),
     }
     if not out.errors and num_frames is not None:

@@ -50,6 +50,7 @@ def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
         height=r.height,
         width=r.width,
         fps=r.fps,
+        use_system_prompt=r.system_prompt,
         add_resolution_template=r.use_resolution_template,
         add_duration_template=r.use_duration_template,
     )
@@ -101,21 +102,40 @@ class RequestJob:
 
     def _initial_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         r, ctx = self.request, self.ctx
-        if r.image is not None:
-            try:
-                image = Image.open(r.image)
-                image.load()
-            except OSError as exc:
-                raise RequestFailed(f"cannot read image {r.image}: {exc}") from exc
-            with ctx.vae_lock:
-                out = self._prepare_image_latents(image, generator)
-            return out[0], out[5]
-        return self._noise_latents(generator)
+        if r.image is None and r.video is None:
+            return self._noise_latents(generator)
+        conditioning = {"image": self._load_image()} if r.image is not None else self._load_video()
+        with ctx.vae_lock:
+            out = self._prepare_conditioned_latents(conditioning, generator)
+        return out[0], out[5]
 
-    def _prepare_image_latents(self, image, generator: torch.Generator):
+    def _load_image(self) -> Image.Image:
+        try:
+            image = Image.open(self.request.image)
+            image.load()
+        except OSError as exc:
+            raise RequestFailed(f"cannot read image {self.request.image}: {exc}") from exc
+        return image
+
+    def _load_video(self) -> dict:
+        """V2V inputs as the reference takes them: the clip decoded by `diffusers.utils.load_video`."""
+        from diffusers.utils import load_video
+
+        r = self.request
+        try:
+            frames = load_video(r.video)
+        except Exception as exc:  # the clip changed on disk after validation
+            raise RequestFailed(f"cannot read video {r.video}: {type(exc).__name__}: {exc}") from exc
+        return {
+            "video": frames,
+            "condition_frame_indexes_vision": list(r.condition_frames),
+            "condition_video_keep": r.condition_video_keep,
+        }
+
+    def _prepare_conditioned_latents(self, conditioning: dict, generator: torch.Generator):
         r, ctx = self.request, self.ctx
         return ctx.helper.prepare_latents(
-            image=image,
+            **conditioning,
             num_frames=r.num_frames,
             height=r.height,
             width=r.width,

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from cosmos3_batch.cli import app
 from cosmos3_batch.pipeline import job
 
+CLIP = Path(__file__).resolve().parents[2] / "examples" / "clip.mp4"
 VALID = {"id": "ok", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
 VIDEO = {"prompt": "a cat", "num_frames": 9, "size": "32x32", "num_inference_steps": 1}
 
@@ -256,6 +257,83 @@ CASES = [
     bad(
         {**VIDEO, "num_frames": 1, "image": "good.png"}, "image", "image conditioning needs a video", id="i2i"
     ),
+    # Video-to-video: the clip (decoded in full, as load_video will) and its knobs.
+    bad({**VIDEO, "video": "missing.mp4"}, "video", "video file not found", id="video-missing"),
+    bad({**VIDEO, "video": "dangling.mp4"}, "video", "", "is a symbolic link to", id="video-dangling-link"),
+    bad({**VIDEO, "video": "half.mp4"}, "video", "", "is not a readable video", id="video-truncated-mp4"),
+    bad({**VIDEO, "video": "empty.mp4"}, "video", "", "is not a readable video", id="video-empty-file"),
+    bad({**VIDEO, "video": "text.png"}, "video", "", "is not a readable video", id="video-not-video"),
+    bad({**VIDEO, "video": ""}, "video", "must be a path to a video file", id="video-empty-path"),
+    bad({**VIDEO, "video": 3}, "video", "must be a string, got 3", id="video-int"),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "image": "good.png"},
+        "video",
+        "give either image (image-to-video) or video (video-to-video), not both",
+        id="video-and-image",
+    ),
+    bad(
+        {**VIDEO, "num_frames": 1, "video": "clip.mp4"},
+        "video",
+        "video conditioning needs a video output",
+        id="video-for-image",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": [0, 3]},
+        "condition_frames",
+        "index 3 is outside the latent timeline: 9 frames are 3 latent frames",
+        id="condition-frames-outside",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": []},
+        "condition_frames",
+        "must name at least one",
+        id="condition-frames-empty",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": [-1]},
+        "condition_frames",
+        "indexes must be >= 0",
+        id="condition-frames-negative",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": "0,1"},
+        "condition_frames",
+        "must be a list of latent frame indexes",
+        id="condition-frames-string",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": [0, True]},
+        "condition_frames",
+        "must be a list of latent frame indexes",
+        id="condition-frames-bool",
+    ),
+    bad(
+        {**VIDEO, "condition_frames": [0]},
+        "condition_frames",
+        "is only used with video",
+        id="frames-no-video",
+    ),
+    bad(
+        {**VIDEO, "condition_video_keep": "last"},
+        "condition_video_keep",
+        "is only used with video",
+        id="keep-no-video",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_video_keep": "middle"},
+        "condition_video_keep",
+        'must be "first" or "last"',
+        id="keep-bad",
+    ),
+    bad({**VIDEO, "system_prompt": "yes"}, "system_prompt", "must be true or false", id="system-prompt-str"),
+    case(  # the same clip is accepted on its own: the rows above fail for their own reason, not the clip
+        jsonl(
+            VALID, {**VIDEO, "video": "clip.mp4", "condition_frames": [0, 2]}, {"prompt": "x", "seed": True}
+        ),
+        "line 3, field 'seed'",
+        absent=("line 2",),
+        id="video-valid-accepted",
+    ),
     # Several problems: every one is listed, not only the first.
     case(
         jsonl(VALID, {"prompt": "", "seed": True}, {"prompt": "x", "id": "a/b"}, "not json"),
@@ -297,6 +375,11 @@ def test_hostile_file_exits_2_naming_the_line_and_writes_nothing(
     (tmp_path / "head.jpg").write_bytes(jpeg[:300])
     (tmp_path / "half.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     (tmp_path / "text.png").write_text("this is text, not a PNG\n")
+    clip = CLIP.read_bytes()
+    (tmp_path / "clip.mp4").write_bytes(clip)
+    (tmp_path / "half.mp4").write_bytes(clip[: len(clip) // 2])
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "dangling.mp4").symlink_to(tmp_path / "gone.mp4")
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(content)
     before = _files(tmp_path)

@@ -515,6 +515,10 @@ CHANGES = {
     "image": "/x.png",
     "use_resolution_template": False,
     "use_duration_template": False,
+    "video": "/x.mp4",
+    "condition_frames": (0,),
+    "condition_video_keep": "last",
+    "system_prompt": False,
 }
 
 
@@ -535,6 +539,16 @@ def test_kind():
     assert request.kind == "t2v"
     assert dataclasses.replace(request, num_frames=1).kind == "t2i"
     assert dataclasses.replace(request, image="/x.png").kind == "i2v"
+    assert dataclasses.replace(request, video="/x.mp4").kind == "v2v"
+
+
+def test_unused_mode_fields_leave_the_record_and_hash_as_they_were():
+    # Outputs written before the mode fields existed must stay complete on resume: same record, same hash.
+    request = base_request()
+    mode_fields = {"video", "condition_frames", "condition_video_keep", "system_prompt"}
+    assert not mode_fields & set(request.resolved())
+    with_system = dataclasses.replace(request, system_prompt=True)
+    assert with_system.resolved()["system_prompt"] is True
 
 
 def test_module_does_not_import_torch():
