@@ -162,6 +162,12 @@ def make_tiny(
     dtype: Annotated[
         str, typer.Option(help="Transformer weight dtype: float32, bfloat16 or float16.")
     ] = "float32",
+    sound: Annotated[
+        bool, typer.Option("--sound", help="Add joint audio (a small sound tokenizer, sound_gen).")
+    ] = False,
+    action: Annotated[
+        bool, typer.Option("--action", help="Add action_gen (every embodiment domain of the reference).")
+    ] = False,
 ) -> None:
     """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline."""
     from cosmos3_batch.model.tiny import TinySpec, write_tiny
@@ -175,6 +181,8 @@ def make_tiny(
             kv_heads=kv_heads,
             intermediate=intermediate,
             dtype=dtype,
+            sound=sound,
+            action=action,
         )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
