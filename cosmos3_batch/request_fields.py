@@ -26,7 +26,7 @@ MAX_SEED = 2**63 - 1
 ALLOWED_KEYS = (
     "id", "prompt", "negative_prompt", "size", "width", "height", "num_frames", "fps",
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
-    "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt",
+    "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
 )  # fmt: skip
 # The prompt templates default to on, as in the reference pipeline: the model was trained with them.
 EXTRA_PARAMS_DEFAULTS = {"use_resolution_template": True, "use_duration_template": True, "guardrails": False}
@@ -51,6 +51,9 @@ class ModelLimits:
     # Vision tokens of one request (latent frames x latent cells / patch^2), so that one request cannot
     # exhaust a GPU: 1280x720 at 189 frames is 44,160; the default leaves room for 1080p at 121 frames.
     max_vision_tokens: int = 65536
+    # What the checkpoint can generate besides vision (job.limits_for reads it from the checkpoint via
+    # `request_modes.checkpoint_modes`); None = not known here, so not checked.
+    sound: bool | None = None
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)

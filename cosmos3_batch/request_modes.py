@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cosmos3_batch.request_fields import _ABSENT, LineErrors, _check_text, _get, _show, describe
+from cosmos3_batch.request_fields import _ABSENT, LineErrors, ModelLimits, _check_text, _get, _show, describe
 
 DEFAULT_CONDITION_FRAMES = (0, 1)  # the reference's `condition_frame_indexes_vision` default
 VIDEO_KEEP = ("first", "last")
@@ -145,3 +145,24 @@ def check_system_prompt(out: LineErrors, obj: dict[str, Any]) -> bool | None:
         out.add("system_prompt", f"must be true or false, got {describe(value)}")
         return None
     return value
+
+
+def check_sound(out: LineErrors, obj: dict[str, Any], limits: ModelLimits, num_frames: int | None) -> bool:
+    value = _get(obj, "sound")
+    if value is _ABSENT:
+        return False
+    if not isinstance(value, bool):
+        out.add("sound", f"must be true or false, got {describe(value)}")
+        return False
+    if value and num_frames == 1:
+        out.add("sound", "joint audio needs a video (num_frames > 1), but num_frames is 1")
+    if value and limits.sound is False:
+        out.add("sound", "this checkpoint cannot generate sound: it has no sound_tokenizer or no sound_gen")
+    return value
+
+
+def checkpoint_modes(model_index: dict, transformer_config: dict) -> dict[str, bool]:
+    """ModelLimits fields saying which extra modalities a checkpoint supports (read from its configs only)."""
+    tokenizer = model_index.get("sound_tokenizer")
+    has_tokenizer = isinstance(tokenizer, list) and bool(tokenizer) and tokenizer[0] is not None
+    return {"sound": has_tokenizer and bool(transformer_config.get("sound_gen", False))}

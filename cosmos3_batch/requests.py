@@ -34,7 +34,7 @@ from cosmos3_batch.request_fields import (
     check_size,
     describe,
 )
-from cosmos3_batch.request_modes import check_system_prompt, check_video
+from cosmos3_batch.request_modes import check_sound, check_system_prompt, check_video
 
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
 
@@ -63,14 +63,14 @@ class Request:
     condition_frames: tuple[int, ...] | None = None  # latent frames kept clean (V2V only)
     condition_video_keep: str | None = None  # "first" | "last" (V2V only)
     system_prompt: bool | None = None  # None = the checkpoint's default_use_system_prompt
+    sound: bool = False  # joint audio: <id>.wav and an AAC track in <id>.mp4
 
     @property
     def kind(self) -> str:
         if self.num_frames == 1:
             return "t2i"
-        if self.video is not None:
-            return "v2v"
-        return "i2v" if self.image is not None else "t2v"
+        base = "v2v" if self.video is not None else "i2v" if self.image is not None else "t2v"
+        return f"{base}+sound" if self.sound else base
 
     def resolved(self) -> dict[str, Any]:
         """Every field but `line`: moving a request within its file must not change its record or hash.
@@ -79,8 +79,8 @@ class Request:
         and hashes exactly as before they existed (outputs of earlier runs stay complete on resume)."""
         fields = dataclasses.asdict(self)
         del fields["line"]
-        for key in _MODE_FIELDS:
-            if fields[key] is None:
+        for key, unused in _MODE_FIELDS.items():
+            if fields[key] is unused:
                 del fields[key]
         return fields
 
@@ -89,7 +89,14 @@ class Request:
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-_MODE_FIELDS = ("video", "condition_frames", "condition_video_keep", "system_prompt")
+# Mode fields and the value that means "not used": such fields are left out of the resolved record.
+_MODE_FIELDS = {
+    "video": None,
+    "condition_frames": None,
+    "condition_video_keep": None,
+    "system_prompt": None,
+    "sound": False,
+}
 
 
 class RequestFileError(ValueError):
@@ -221,6 +228,7 @@ def _validate_object(
         "image": check_image(out, obj, base_dir, num_frames),
         **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
         "system_prompt": check_system_prompt(out, obj),
+        "sound": check_sound(out, obj, limits, num_frames),
         **check_extra_params(out, obj),
     }
     if not out.errors and num_frames is not None:

@@ -10,6 +10,7 @@ import torch
 
 from cosmos3_batch.model.cosmos3 import Cosmos3Split
 from cosmos3_batch.model.loading import Checkpoint, load_transformer, load_vae
+from cosmos3_batch.model.sound import load_sound_tokenizer
 
 
 @dataclass
@@ -20,6 +21,7 @@ class ModelContext:
     scheduler_config: dict
     device: torch.device
     use_native_flow_schedule: bool
+    sound_tokenizer: torch.nn.Module | None = None  # joint audio; None when the checkpoint has none
     # The Wan VAE keeps per-call state on the module: the finisher's decodes and I2V encodes at admission
     # must not interleave.
     vae_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -84,4 +86,5 @@ def load_context(
         scheduler_config=dict(checkpoint.config("scheduler")),
         device=device,
         use_native_flow_schedule=bool(checkpoint.model_index.get("use_native_flow_schedule", False)),
+        sound_tokenizer=load_sound_tokenizer(checkpoint, device),
     )

@@ -15,7 +15,9 @@ import torch
 from PIL import Image
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
+from cosmos3_batch.model.modes import SOUND, embed_stream, head_stream
 from cosmos3_batch.pipeline.context import ModelContext
+from cosmos3_batch.pipeline.streams import ExtraStream, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
@@ -39,6 +41,8 @@ class VisionLayout:
 class Result:
     latents: torch.Tensor  # [1, C, T, H, W] float32: what the reference returns with output_type="latent"
     frames: np.ndarray  # [T, H, W, 3] float32 in [0, 1]: the reference's output_type="np"
+    sound: torch.Tensor | None = None  # [channels, samples] float32 in [-1, 1]: the reference's `.sound`
+    sample_rate: int | None = None  # of `sound`
 
 
 def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
@@ -62,6 +66,7 @@ class RequestJob:
         self.request = request
         self.und_cache = und_cache
         self.branches: list[BranchSeq] = []
+        self.streams: list[ExtraStream] = []  # sound / action tokens after the vision tokens in the GEN half
         self.step_index = 0
         self.timings: dict[str, float] = {"prepare_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
         self.tokens = 0
@@ -91,11 +96,15 @@ class RequestJob:
         # The reference draws noise from a CPU generator seeded per request, whatever the device.
         generator = torch.Generator("cpu").manual_seed(r.seed)
         self.latents, self.condition_mask = self._initial_latents(generator)
+        if r.sound:
+            self.streams.append(self._sound_stream(generator))
         condition_frames = [int(i) for i in torch.nonzero(self.condition_mask[:, 0, 0] > 0).flatten()]
         prompts = [cond_ids, uncond_ids] if self.cfg else [cond_ids]
         self.branches = [self._branch(ids, condition_frames) for ids in prompts]
         self.tokens = sum(len(ids) for ids in prompts)
         self.scheduler = self._scheduler()
+        for stream in self.streams:
+            stream.start(self.scheduler)
         self.timesteps = self.scheduler.timesteps
         self._timestep_values = self.timesteps.tolist()  # read on the host each step without a device sync
         self.timings["prepare_s"] = time.perf_counter() - start
@@ -158,6 +167,11 @@ class RequestJob:
         noise = randn_tensor(shape, generator=generator, device=ctx.device, dtype=torch.float32)
         return noise, torch.zeros((latent_t, 1, 1), device=ctx.device, dtype=torch.float32)
 
+    def _sound_stream(self, generator: torch.Generator) -> ExtraStream:
+        if self.ctx.sound_tokenizer is None or not self.ctx.split.config.get("sound_gen", False):
+            raise RequestFailed("sound: this checkpoint has no sound_tokenizer or no sound_gen")
+        return sound_stream(self.ctx, self.request.num_frames, self.request.fps, generator)
+
     def _branch(self, input_ids: list[int], condition_frames: list[int]) -> BranchSeq:
         helper, split, device = self.ctx.helper, self.ctx.split, self.ctx.device
         text = helper._prepare_text_segment(input_ids, device=device)
@@ -176,7 +190,15 @@ class RequestJob:
             num_noisy_tokens=vision["num_noisy_vision_tokens"],
         )
         und_len = text["und_len"]
-        position_ids = torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1)
+        # Packed order: [text | vision | sound | action]; extra streams share the vision mRoPE offset.
+        mrope, curr = (
+            [text["text_mrope_ids"], vision["vision_mrope_ids"]],
+            und_len + vision["num_vision_tokens"],
+        )
+        for stream in self.streams:
+            mrope.append(stream.segment(helper, text["vision_start_temporal_offset"], curr, und_len, device))
+            curr += stream.length
+        position_ids = torch.cat(mrope, dim=1)
         rot_und, rot_gen = split.rotary(position_ids, und_len, device)
         text_hidden = split.embed_text(text["input_ids"], device)
         return BranchSeq(
@@ -213,37 +235,44 @@ class RequestJob:
         hidden, layout.original_shapes = split.embed_vision(
             tokens, timesteps, layout.token_shapes, layout.noisy_frame_indexes
         )
+        if self.streams:
+            extra = [
+                embed_stream(split.transformer, s.latents.to(split.dtype), value, s.layout, split.dtype)
+                for s in self.streams
+            ]
+            hidden = torch.cat([hidden, *extra], dim=0)
         for branch in self.branches:
             branch.gen_hidden = hidden
 
     def finish_step(self) -> None:
-        """Head, condition mask, CFG combine and this request's own scheduler step."""
-        from diffusers import Cosmos3OmniPipeline
-
-        layout = self.layout
-        velocities = []
-        for branch in self.branches:
-            pred = self.ctx.split.head(
-                branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
-            )
-            masked = Cosmos3OmniPipeline._mask_velocity_predictions(
-                [pred], None, vision_condition_mask=[self.condition_mask]
-            )[0]
-            velocities.append(masked.float())
+        """Heads, condition masks, CFG combine and this request's own scheduler step, per modality."""
+        branch_velocities = [self._velocities(branch) for branch in self.branches]
         if self.cfg:
-            cond, uncond = velocities
-            velocity = uncond + self.request.guidance_scale * (cond - uncond)
+            cond, uncond = branch_velocities
+            g = self.request.guidance_scale
+            velocity = {kind: uncond[kind] + g * (cond[kind] - uncond[kind]) for kind in cond}
         else:
-            velocity = velocities[0]
+            velocity = branch_velocities[0]
         t = self.timesteps[self.step_index]
         self.latents = self.scheduler.step(
-            velocity.unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
+            velocity["vision"].unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
         )[0].squeeze(0)
+        for stream in self.streams:
+            stream.step(velocity[stream.kind], t)
         self.step_index += 1
         if not self.und_cache:
             for branch in self.branches:  # the ablation: forget the UND K/V, redo them next pass
                 branch.reset_und()
         self.timings["denoise_s"] += time.perf_counter() - self._step_started
+
+    def _velocities(self, branch: BranchSeq) -> dict[str, torch.Tensor]:
+        split, layout = self.ctx.split, self.layout
+        normed = split.final_norm(branch)
+        vision = split.vision_head(
+            normed, branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
+        )
+        extra = [head_stream(split.transformer, normed, s.layout) for s in self.streams]
+        return mask_velocities(vision, self.condition_mask, self.streams, extra)
 
     # ---- finish ------------------------------------------------------------------------------------
 
@@ -260,6 +289,20 @@ class RequestJob:
         with self.ctx.vae_lock:
             decoded = vae.decode(z_raw).sample.to(latents.dtype)
         frames = helper.video_processor.postprocess_video(decoded, output_type="np")[0]
+        result = Result(latents=latents.cpu(), frames=frames)
+        self._decode_streams(result)
         self.timings["decode_s"] = time.perf_counter() - start
         self.timings["latency_s"] = time.perf_counter() - self._started
-        return Result(latents=latents.cpu(), frames=frames)
+        return result
+
+    def _decode_streams(self, result: Result) -> None:
+        from cosmos3_batch.model.sound import decode_waveform
+
+        for stream in self.streams:
+            if not torch.isfinite(stream.latents).all():
+                raise RequestFailed(f"{stream.kind} latents contain NaN or inf after denoising")
+            if stream.kind == SOUND:
+                tokenizer = self.ctx.sound_tokenizer
+                with self.ctx.vae_lock:  # the finisher thread decodes; one decoder call at a time
+                    result.sound = decode_waveform(tokenizer, stream.latents).float().cpu()
+                result.sample_rate = int(tokenizer.config.sampling_rate)

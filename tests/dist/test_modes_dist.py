@@ -31,31 +31,39 @@ ROWS = [
         "seed": 2,
     },
     {"id": "sys-off", "prompt": "a red cube", **TINY, "system_prompt": False, "seed": 3},
+    {"id": "t2v-sound", "prompt": "rain on a roof", **TINY, "sound": True, "seed": 4},
+    {"id": "i2v-sound", "prompt": "it hums", **TINY, "image": "IMAGE", "sound": True, "guidance_scale": 1.0},
 ]
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, tiny_ckpt) -> tuple[Path, dict]:
-    prompts = write_jsonl(tmp_path_factory.mktemp("modes") / "modes.jsonl", ROWS)
+def job(tmp_path_factory, tiny_av_ckpt, cond_image) -> tuple[Path, dict]:
+    rows = [{**row, "image": str(cond_image)} if "image" in row else row for row in ROWS]
+    prompts = write_jsonl(tmp_path_factory.mktemp("modes") / "modes.jsonl", rows)
     requests, _ = load_requests(str(prompts))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 gives each rank
     try:
-        reference = run_reference(tiny_ckpt, requests, output_types=("latent",))
+        reference = run_reference(tiny_av_ckpt, requests, output_types=("latent",))
     finally:
         torch.set_num_threads(threads)
     return prompts, {rid: outs[0] for rid, outs in reference.items()}
 
 
 @pytest.mark.parametrize(("world_size", "mode", "max_active"), [(2, "allgather", 3), (3, "local", 1)])
-def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_ckpt, world_size, mode, max_active):
+def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_size, mode, max_active):
     prompts, reference = job
     out = tmp_path / "out"
-    args = (prompts, "--model", tiny_ckpt, "--out", out, "--offload", mode, "--save-latents")
+    args = (prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--save-latents")
     proc = torchrun(world_size, *args, "--max-active", max_active)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rid, expected in reference.items():
-        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected.video), rid
+        saved = load_file(out / f"{rid}.latents.safetensors")
+        assert torch.equal(saved["latents"], expected.video), rid
+        if expected.sound is None:
+            assert "sound" not in saved, rid
+        else:
+            assert torch.equal(saved["sound"], expected.sound), rid
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == len(ROWS)
     assert_lockstep(summary, world_size)

@@ -326,6 +326,8 @@ CASES = [
         id="keep-bad",
     ),
     bad({**VIDEO, "system_prompt": "yes"}, "system_prompt", "must be true or false", id="system-prompt-str"),
+    bad({**VIDEO, "sound": 1}, "sound", "must be true or false, got 1", id="sound-int"),
+    bad({**VIDEO, "num_frames": 1, "sound": True}, "sound", "joint audio needs a video", id="sound-image"),
     case(  # the same clip is accepted on its own: the rows above fail for their own reason, not the clip
         jsonl(
             VALID, {**VIDEO, "video": "clip.mp4", "condition_frames": [0, 2]}, {"prompt": "x", "seed": True}

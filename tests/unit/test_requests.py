@@ -519,6 +519,7 @@ CHANGES = {
     "condition_frames": (0,),
     "condition_video_keep": "last",
     "system_prompt": False,
+    "sound": True,
 }
 
 
@@ -555,3 +556,21 @@ def test_module_does_not_import_torch():
     heavy = "{'torch', 'diffusers', 'transformers'}"
     code = f"import cosmos3_batch.requests, sys; assert not {heavy} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sound_on_a_checkpoint_without_it_is_named():
+    line = line_of(num_frames=9, size="32x32", sound=True)
+    (ok,), errors = parse(line, limits=ModelLimits(sound=True))
+    assert errors == [] and ok.sound and ok.kind == "t2v+sound"
+    _, errors = parse(line, limits=ModelLimits(sound=False))
+    assert [(e.line, e.field) for e in errors] == [(1, "sound")]
+    assert "has no sound_tokenizer" in errors[0].message
+
+
+def test_checkpoint_modes_read_from_configs():
+    from cosmos3_batch.request_modes import checkpoint_modes
+
+    with_tokenizer = {"sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"]}
+    assert checkpoint_modes(with_tokenizer, {"sound_gen": True}) == {"sound": True}
+    assert checkpoint_modes(with_tokenizer, {}) == {"sound": False}
+    assert checkpoint_modes({"sound_tokenizer": [None, None]}, {"sound_gen": True}) == {"sound": False}
