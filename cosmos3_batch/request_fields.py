@@ -27,6 +27,7 @@ ALLOWED_KEYS = (
     "id", "prompt", "negative_prompt", "size", "width", "height", "num_frames", "fps",
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
     "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
+    "action",
 )  # fmt: skip
 # The prompt templates default to on, as in the reference pipeline: the model was trained with them.
 EXTRA_PARAMS_DEFAULTS = {"use_resolution_template": True, "use_duration_template": True, "guardrails": False}
@@ -54,6 +55,8 @@ class ModelLimits:
     # What the checkpoint can generate besides vision (job.limits_for reads it from the checkpoint via
     # `request_modes.checkpoint_modes`); None = not known here, so not checked.
     sound: bool | None = None
+    action: bool | None = None  # action_gen
+    action_dim: int | None = None  # the widest action the checkpoint represents
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)

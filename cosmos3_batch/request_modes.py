@@ -30,7 +30,7 @@ def check_video(
             if given:
                 out.add(key, "is only used with video (video-to-video); add a video or remove it")
         return {"video": None, "condition_frames": None, "condition_video_keep": None}
-    path = _check_video_path(out, value, base_dir)
+    path = check_video_path(out, value, base_dir)
     if _get(obj, "image") is not _ABSENT:
         out.add("video", "give either image (image-to-video) or video (video-to-video), not both")
     if num_frames == 1:
@@ -48,7 +48,7 @@ def check_video(
     }
 
 
-def _check_video_path(out: LineErrors, value: Any, base_dir: str | None) -> str | None:
+def check_video_path(out: LineErrors, value: Any, base_dir: str | None) -> str | None:
     if (value := _check_text(out, "video", value)) is None:
         return None
     if not value:
@@ -165,4 +165,9 @@ def checkpoint_modes(model_index: dict, transformer_config: dict) -> dict[str, b
     """ModelLimits fields saying which extra modalities a checkpoint supports (read from its configs only)."""
     tokenizer = model_index.get("sound_tokenizer")
     has_tokenizer = isinstance(tokenizer, list) and bool(tokenizer) and tokenizer[0] is not None
-    return {"sound": has_tokenizer and bool(transformer_config.get("sound_gen", False))}
+    action = bool(transformer_config.get("action_gen", False))
+    return {
+        "sound": has_tokenizer and bool(transformer_config.get("sound_gen", False)),
+        "action": action,
+        "action_dim": int(transformer_config["action_dim"]) if action else None,
+    }

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cosmos3_batch.request_actions import ActionSpec, check_action_request, has_action
 from cosmos3_batch.request_fields import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
@@ -64,9 +65,12 @@ class Request:
     condition_video_keep: str | None = None  # "first" | "last" (V2V only)
     system_prompt: bool | None = None  # None = the checkpoint's default_use_system_prompt
     sound: bool = False  # joint audio: <id>.wav and an AAC track in <id>.mp4
+    action: ActionSpec | None = None  # forward/inverse dynamics, policy (conditioned on image or video)
 
     @property
     def kind(self) -> str:
+        if self.action is not None:
+            return self.action.mode
         if self.num_frames == 1:
             return "t2i"
         base = "v2v" if self.video is not None else "i2v" if self.image is not None else "t2v"
@@ -96,6 +100,7 @@ _MODE_FIELDS = {
     "condition_video_keep": None,
     "system_prompt": None,
     "sound": False,
+    "action": None,
 }
 
 
@@ -220,15 +225,21 @@ def _validate_object(
     check_keys(out, obj)
     request_id = check_id(out, obj, line)
     prompts = check_prompts(out, obj)
-    num_frames = check_frames(out, obj, limits)
+    if has_action(obj):  # size and frame count come from the action's tier and chunk size
+        media, num_frames = check_action_request(out, obj, base_dir, limits)
+    else:
+        num_frames = check_frames(out, obj, limits)
+        media = {
+            **check_size(out, obj, limits, num_frames),
+            "image": check_image(out, obj, base_dir, num_frames),
+            **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
+            "sound": check_sound(out, obj, limits, num_frames),
+        }
     values = {
         **prompts,
-        **check_size(out, obj, limits, num_frames),
+        **media,
         **check_numbers(out, obj, limits, num_frames),
-        "image": check_image(out, obj, base_dir, num_frames),
-        **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
         "system_prompt": check_system_prompt(out, obj),
-        "sound": check_sound(out, obj, limits, num_frames),
         **check_extra_params(out, obj),
     }
     if not out.errors and num_frames is not None:

@@ -23,10 +23,13 @@ class OutputPaths:
     sidecar: Path
     latents: Path
     wav: Path  # joint audio (sound requests)
+    actions: Path  # predicted actions (inverse dynamics, policy): safetensors, key `actions`
+    actions_json: Path  # the same, readable
 
     def by_key(self) -> dict[str, Path]:
         """The sidecar's `files` keys and the one file name each may name."""
-        return {"media": self.media, "latents": self.latents, "wav": self.wav}
+        keys = ("media", "latents", "wav", "actions", "actions_json")
+        return {key: getattr(self, key) for key in keys}
 
 
 def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
@@ -38,6 +41,8 @@ def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
         root / f"{request_id}.json",
         root / f"{request_id}.latents.safetensors",
         root / f"{request_id}.wav",
+        root / f"{request_id}.actions.safetensors",
+        root / f"{request_id}.actions.json",
     )
     for path in (paths.sidecar, *paths.by_key().values()):
         if path.parent != root:
@@ -56,7 +61,36 @@ def media_facts(result) -> dict:
 
 def mode_files(request) -> tuple[str, ...]:
     """Sidecar `files` keys a complete output of this request must list besides its media."""
-    return ("wav",) if getattr(request, "sound", False) else ()
+    files = ("wav",) if getattr(request, "sound", False) else ()
+    action = getattr(request, "action", None)
+    if action is not None and action.mode in PREDICTS_ACTIONS:
+        files += ("actions", "actions_json")
+    return files
+
+
+PREDICTS_ACTIONS = ("inverse_dynamics", "policy")  # forward dynamics is given its actions
+
+
+def write_actions(paths: OutputPaths, actions, request) -> dict[str, dict]:
+    """`<id>.actions.safetensors` (the reference's tensor) and `<id>.actions.json`; their `files` entries."""
+    from safetensors.torch import save_file
+
+    spec = request.action
+    size = atomic_write(paths.actions, lambda tmp: save_file({"actions": actions.contiguous()}, str(tmp)))
+    readable = {
+        "id": request.id,
+        "mode": spec.mode,
+        "domain": spec.domain,
+        "chunk_size": spec.chunk_size,
+        "shape": list(actions.shape),
+        # float32 values printed as the shortest decimals that read back to the same float32
+        "actions": [[float(str(np.float32(x))) for x in row] for row in actions.tolist()],
+    }
+    json_size = write_json(paths.actions_json, readable)
+    return {
+        "actions": {"name": paths.actions.name, "bytes": size},
+        "actions_json": {"name": paths.actions_json.name, "bytes": json_size},
+    }
 
 
 def check_writable(out_dir: Path) -> None:
@@ -78,7 +112,7 @@ os.umask(_UMASK)
 
 _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp\.[^.]+$")
 # What follows the id in a temporary's stem: `<id>.latents.safetensors`, the silent video a mux starts from.
-_STEM_SUFFIXES = (".latents", ".silent")
+_STEM_SUFFIXES = (".latents", ".silent", ".actions")
 
 
 def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
-from cosmos3_batch.model.modes import SOUND, embed_stream, head_stream
+from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
 from cosmos3_batch.pipeline.context import ModelContext
-from cosmos3_batch.pipeline.streams import ExtraStream, mask_velocities, sound_stream
+from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
@@ -43,13 +43,18 @@ class Result:
     frames: np.ndarray  # [T, H, W, 3] float32 in [0, 1]: the reference's output_type="np"
     sound: torch.Tensor | None = None  # [channels, samples] float32 in [-1, 1]: the reference's `.sound`
     sample_rate: int | None = None  # of `sound`
+    actions: torch.Tensor | None = None  # [T, D] float32: the reference's `.action[0]` (inverse dyn., policy)
 
 
 def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
     """(cond, uncond) token ids, templated exactly as the reference pipeline does for this request."""
+    action = {}
+    if r.action is not None:  # the reference turns an action prompt into its structured JSON caption
+        action = {"action_mode": r.action.mode, "action_view_point": r.action.viewpoint}
     return helper.tokenize_prompt(
         r.prompt,
         r.negative_prompt,
+        **action,
         num_frames=r.num_frames,
         height=r.height,
         width=r.width,
@@ -95,7 +100,14 @@ class RequestJob:
         cond_ids, uncond_ids = tokenize(helper, r)
         # The reference draws noise from a CPU generator seeded per request, whatever the device.
         generator = torch.Generator("cpu").manual_seed(r.seed)
-        self.latents, self.condition_mask = self._initial_latents(generator)
+        if r.action is not None:
+            conditioning = self._load_image() if r.image is not None else self._load_video()
+            with self.ctx.vae_lock:
+                latents = action_latents(self.ctx, r, conditioning, generator)
+            self.latents, self.condition_mask, stream = latents
+            self.streams.append(stream)
+        else:
+            self.latents, self.condition_mask = self._initial_latents(generator)
         if r.sound:
             self.streams.append(self._sound_stream(generator))
         condition_frames = [int(i) for i in torch.nonzero(self.condition_mask[:, 0, 0] > 0).flatten()]
@@ -113,7 +125,14 @@ class RequestJob:
         r, ctx = self.request, self.ctx
         if r.image is None and r.video is None:
             return self._noise_latents(generator)
-        conditioning = {"image": self._load_image()} if r.image is not None else self._load_video()
+        if r.image is not None:
+            conditioning = {"image": self._load_image()}
+        else:
+            conditioning = {
+                "video": self._load_video(),
+                "condition_frame_indexes_vision": list(r.condition_frames),
+                "condition_video_keep": r.condition_video_keep,
+            }
         with ctx.vae_lock:
             out = self._prepare_conditioned_latents(conditioning, generator)
         return out[0], out[5]
@@ -126,8 +145,8 @@ class RequestJob:
             raise RequestFailed(f"cannot read image {self.request.image}: {exc}") from exc
         return image
 
-    def _load_video(self) -> dict:
-        """V2V inputs as the reference takes them: the clip decoded by `diffusers.utils.load_video`."""
+    def _load_video(self) -> list:
+        """The clip as the reference takes it: decoded by `diffusers.utils.load_video`."""
         from diffusers.utils import load_video
 
         r = self.request
@@ -135,11 +154,7 @@ class RequestJob:
             frames = load_video(r.video)
         except Exception as exc:  # the clip changed on disk after validation
             raise RequestFailed(f"cannot read video {r.video}: {type(exc).__name__}: {exc}") from exc
-        return {
-            "video": frames,
-            "condition_frame_indexes_vision": list(r.condition_frames),
-            "condition_video_keep": r.condition_video_keep,
-        }
+        return frames
 
     def _prepare_conditioned_latents(self, conditioning: dict, generator: torch.Generator):
         r, ctx = self.request, self.ctx
@@ -306,3 +321,6 @@ class RequestJob:
                 with self.ctx.vae_lock:  # the finisher thread decodes; one decoder call at a time
                     result.sound = decode_waveform(tokenizer, stream.latents).float().cpu()
                 result.sample_rate = int(tokenizer.config.sampling_rate)
+            elif stream.kind == ACTION and self.request.action.mode in ("inverse_dynamics", "policy"):
+                # Forward dynamics is given its actions: the reference returns none for it.
+                result.actions = stream.latents[:, : stream.raw_action_dim].detach().cpu()

@@ -201,6 +201,8 @@ class ResultWriter:
         if audio is not None:
             size = outputs.write_wav(paths.wav, *audio)
             files["wav"] = {"name": paths.wav.name, "bytes": size}
+        if result.actions is not None:
+            files.update(outputs.write_actions(paths, result.actions, r))
         if self.cfg.save_latents:
             size = outputs.write_latents(paths.latents, result.latents, sound=result.sound)
             files["latents"] = {"name": paths.latents.name, "bytes": size}

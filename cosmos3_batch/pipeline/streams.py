@@ -111,3 +111,45 @@ def mask_velocities(vision_pred, vision_mask, streams: list[ExtraStream], extra_
         if value is not None:
             velocities[kind] = value.float()
     return velocities
+
+
+def action_condition(request, conditioning):
+    """The reference's `CosmosActionCondition` for an action request; `conditioning` is the PIL image or the
+    load_video frames."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+    from cosmos3_batch.request_actions import load_actions
+
+    spec = request.action
+    raw = torch.from_numpy(load_actions(spec)) if spec.actions is not None else None
+    media = {"video": conditioning} if request.video is not None else {"image": conditioning}
+    return CosmosActionCondition(
+        mode=spec.mode,
+        chunk_size=spec.chunk_size,
+        domain_name=spec.domain,
+        resolution_tier=spec.resolution_tier,
+        raw_actions=raw,
+        view_point=spec.viewpoint,
+        **media,
+    )
+
+
+def action_latents(ctx, request, conditioning, generator: torch.Generator):
+    """(vision latents, vision condition mask, action stream) from the pipeline's own `prepare_latents`:
+    the padded canvas encode, the given/generated action tokens, the noise in the reference's order."""
+    out = ctx.helper.prepare_latents(
+        num_frames=request.num_frames,
+        height=request.height,
+        width=request.width,
+        fps=request.fps,
+        generator=generator,
+        device=ctx.device,
+        dtype=torch.float32,
+        action=action_condition(request, conditioning),
+    )
+    latents, _, actions, fps, _, vision_mask, _, action_mask, domain_id, _, raw_dim, given = out
+    stream = ExtraStream(
+        ACTION, actions, action_mask, fps=fps, condition_frames=list(given), domain_id=domain_id,
+        raw_action_dim=raw_dim,
+    )  # fmt: skip
+    return latents, vision_mask, stream

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 from diffusers.utils import load_video
 from PIL import Image
 
@@ -79,6 +80,10 @@ def reference_kwargs(r: Request) -> dict:
     )
     if r.image is not None:
         kwargs["image"] = Image.open(r.image)
+    if r.action is not None:
+        for key in ("num_frames", "height", "width", "enable_sound", "image"):
+            kwargs.pop(key, None)  # the reference derives them from the action (and wants them unset)
+        return {**kwargs, "action": reference_action(r)}
     if r.video is not None:
         kwargs.update(
             video=load_video(r.video),
@@ -86,6 +91,25 @@ def reference_kwargs(r: Request) -> dict:
             condition_video_keep=r.condition_video_keep,
         )
     return kwargs
+
+
+def reference_action(r: Request) -> CosmosActionCondition:
+    """The action condition built straight from the request's inputs (not through our loader)."""
+    spec = r.action
+    if isinstance(spec.actions, str):
+        raw = torch.from_numpy(np.load(spec.actions))
+    else:
+        raw = torch.tensor(spec.actions, dtype=torch.float64) if spec.actions is not None else None
+    media = {"video": load_video(r.video)} if r.video is not None else {"image": Image.open(r.image)}
+    return CosmosActionCondition(
+        mode=spec.mode,
+        chunk_size=spec.chunk_size,
+        domain_name=spec.domain,
+        resolution_tier=spec.resolution_tier,
+        raw_actions=raw,
+        view_point=spec.viewpoint,
+        **media,
+    )
 
 
 def run_reference(ckpt: Path, requests: list[Request], output_types=("latent", "np")) -> dict:

@@ -68,6 +68,23 @@ def _image(fmt: str) -> bytes:
     return buffer.getvalue()
 
 
+def act(**changes: Any) -> dict:
+    """A valid forward-dynamics line (image + 10-wide fractal actions) with `changes` (None drops a key)."""
+    action = {"mode": "forward_dynamics", "chunk_size": 4, "domain": "fractal", "actions": [[0.0] * 10]}
+    row: dict[str, Any] = {"prompt": "push", "image": "good.png", "action": action}
+    for key, value in changes.items():
+        target = (
+            action
+            if key in ("mode", "chunk_size", "domain", "resolution_tier", "viewpoint", "actions", "extra")
+            else row
+        )
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    return row
+
+
 LONG = "a" * 5000  # the tiny byte-level tokenizer: one token per byte, model_max_length 4096
 OVER_MODEL = "exceed the limit of 4096 (the model)"
 
@@ -336,6 +353,91 @@ CASES = [
         absent=("line 2",),
         id="video-valid-accepted",
     ),
+    # Action modes: the object, its conditioning, and the actions file.
+    bad({"prompt": "x", "action": "policy"}, "action", "must be an object", id="action-not-object"),
+    bad(act(mode="dream"), "action.mode", "must be one of forward_dynamics", id="action-mode-unknown"),
+    bad(act(mode=None), "action.mode", "missing", id="action-mode-missing"),
+    bad(
+        act(domain="mars_rover"),
+        "action.domain",
+        "unknown domain",
+        "valid domains: agibot",
+        id="action-domain",
+    ),
+    bad(act(domain="libero"), "action.domain", "unknown domain 'libero'", id="action-domain-no-width"),
+    bad(
+        act(resolution_tier=360),
+        "action.resolution_tier",
+        "must be one of 256, 480, 704, 720",
+        id="action-tier",
+    ),
+    bad(act(viewpoint="drone"), "action.viewpoint", "must be one of ego_view", id="action-viewpoint"),
+    bad(
+        act(chunk_size=6),
+        "action.chunk_size",
+        "6 is not a multiple of 4 (nearest valid: 4 or 8)",
+        id="chunk-4k",
+    ),
+    bad(act(chunk_size=0), "action.chunk_size", "must be >= 4", id="chunk-zero"),
+    bad(act(chunk_size=4096), "action.chunk_size", "must be >= 4 and <= 1023", id="chunk-too-big"),
+    bad(act(chunk_size=True), "action.chunk_size", "must be an integer", id="chunk-bool"),
+    bad(act(extra=1), "action.extra", "unknown key", id="action-unknown-key"),
+    bad(act(size="32x32"), "size", "set by action", id="action-with-size"),
+    bad(act(num_frames=9), "num_frames", "set by action", id="action-with-frames"),
+    bad(act(sound=True), "sound", "not used together with action", id="action-with-sound"),
+    bad(act(image=None), "action", "needs a conditioning image or video", id="action-no-conditioning"),
+    bad(
+        act(video="clip.mp4"),
+        "video",
+        "give the action's conditioning as image or video, not both",
+        id="action-image-and-video",
+    ),
+    bad(
+        act(mode="inverse_dynamics", actions=None),
+        "image",
+        "inverse_dynamics",
+        "needs a video",
+        id="inverse-image",
+    ),
+    bad(act(actions=None), "action.actions", "forward_dynamics needs actions", id="fd-no-actions"),
+    bad(
+        act(mode="policy"), "action.actions", "only forward_dynamics takes actions", id="policy-with-actions"
+    ),
+    bad(
+        act(actions="wide.npy"),
+        "action.actions",
+        "rows are 9 wide; fractal actions are 10 wide",
+        id="npy-width",
+    ),
+    bad(act(actions="ints.npy"), "action.actions", "", "dtype <U1 is not a real number", id="npy-dtype"),
+    bad(act(actions="nan.json"), "action.actions", "contains NaN or infinity", id="json-nan"),
+    bad(act(actions="half.npy"), "action.actions", "", "is not a readable actions file", id="npy-truncated"),
+    bad(act(actions="a.csv"), "action.actions", "actions file not found", id="actions-missing"),
+    bad(act(actions="good.png"), "action.actions", "", "must be .npy or .json", id="actions-wrong-type"),
+    bad(
+        act(actions=[[1.0] * 10, [1.0] * 9]),
+        "action.actions",
+        "must be a [T, D] list of lists of numbers",
+        id="actions-ragged",
+    ),
+    bad(act(actions=[]), "action.actions", "must have shape [T, D] with T >= 1", id="actions-empty"),
+    bad(act(actions=[[True] * 10]), "action.actions", "must be a [T, D] list of lists", id="actions-bool"),
+    bad(
+        act(image="gray.png"),
+        "image",
+        "",
+        "has 'L' pixels; action conditioning needs RGB",
+        id="action-gray-image",
+    ),
+    bad(
+        act(image=None, video="half.mp4"), "video", "", "is not a readable video", id="action-truncated-video"
+    ),
+    case(  # a valid action line passes: line 3 alone stops the job
+        jsonl(VALID, act(), {"prompt": "x", "seed": True}),
+        "line 3, field 'seed'",
+        absent=("line 2",),
+        id="action-valid-accepted",
+    ),
     # Several problems: every one is listed, not only the first.
     case(
         jsonl(VALID, {"prompt": "", "seed": True}, {"prompt": "x", "id": "a/b"}, "not json"),
@@ -382,6 +484,12 @@ def test_hostile_file_exits_2_naming_the_line_and_writes_nothing(
     (tmp_path / "half.mp4").write_bytes(clip[: len(clip) // 2])
     (tmp_path / "empty.mp4").write_bytes(b"")
     (tmp_path / "dangling.mp4").symlink_to(tmp_path / "gone.mp4")
+    np.save(tmp_path / "wide.npy", np.zeros((4, 9), dtype=np.float32))
+    np.save(tmp_path / "ints.npy", np.array([["a"] * 10]))
+    npy = (tmp_path / "wide.npy").read_bytes()
+    (tmp_path / "half.npy").write_bytes(npy[: len(npy) // 2])
+    (tmp_path / "nan.json").write_text("[[NaN, 0, 0, 0, 0, 0, 0, 0, 0, 0]]")
+    Image.new("L", (64, 48)).save(tmp_path / "gray.png")
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(content)
     before = _files(tmp_path)

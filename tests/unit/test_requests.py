@@ -11,6 +11,7 @@ import sys
 import pytest
 from PIL import Image
 
+from cosmos3_batch.request_actions import ActionSpec
 from cosmos3_batch.requests import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
@@ -520,6 +521,7 @@ CHANGES = {
     "condition_video_keep": "last",
     "system_prompt": False,
     "sound": True,
+    "action": ActionSpec("policy", 8, "fractal", 256, "ego_view"),
 }
 
 
@@ -571,6 +573,9 @@ def test_checkpoint_modes_read_from_configs():
     from cosmos3_batch.request_modes import checkpoint_modes
 
     with_tokenizer = {"sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"]}
-    assert checkpoint_modes(with_tokenizer, {"sound_gen": True}) == {"sound": True}
-    assert checkpoint_modes(with_tokenizer, {}) == {"sound": False}
-    assert checkpoint_modes({"sound_tokenizer": [None, None]}, {"sound_gen": True}) == {"sound": False}
+    assert checkpoint_modes(with_tokenizer, {"sound_gen": True})["sound"] is True
+    assert checkpoint_modes(with_tokenizer, {})["sound"] is False
+    assert checkpoint_modes({"sound_tokenizer": [None, None]}, {"sound_gen": True})["sound"] is False
+    actions = checkpoint_modes({}, {"action_gen": True, "action_dim": 57})
+    assert actions["action"] is True and actions["action_dim"] == 57
+    assert checkpoint_modes({}, {})["action"] is False
