@@ -1,6 +1,6 @@
-"""The generation modes under real `torchrun` jobs (gloo, CPU): world 2 with allgather and world 3 with local
-offload reproduce `Cosmos3OmniPipeline.__call__` bit for bit, the reference run in this process at the
-single thread torchrun gives each worker."""
+"""The generation modes (V2V, system prompt, sound, actions) under real `torchrun` jobs (gloo, CPU): world
+2 with allgather and world 3 with local offload reproduce `Cosmos3OmniPipeline.__call__` bit for bit, the
+reference run in this process at the single thread torchrun gives each worker."""
 
 from __future__ import annotations
 
@@ -33,7 +33,14 @@ ROWS = [
     {"id": "sys-off", "prompt": "a red cube", **TINY, "system_prompt": False, "seed": 3},
     {"id": "t2v-sound", "prompt": "rain on a roof", **TINY, "sound": True, "seed": 4},
     {"id": "i2v-sound", "prompt": "it hums", **TINY, "image": "IMAGE", "sound": True, "guidance_scale": 1.0},
-]
+    {"id": "policy", "prompt": "grab it", "image": "IMAGE", "num_inference_steps": 2, "seed": 5,
+     "action": {"mode": "policy", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256}},
+    {"id": "inverse", "prompt": "what moved", "video": str(CLIP), "num_inference_steps": 2, "seed": 6,
+     "action": {"mode": "inverse_dynamics", "chunk_size": 4, "domain": "hand_pose", "resolution_tier": 256}},
+    {"id": "forward", "prompt": "push", "image": "IMAGE", "num_inference_steps": 2,
+     "action": {"mode": "forward_dynamics", "chunk_size": 4, "domain": "pusht", "resolution_tier": 256,
+                "actions": [[0.5, -0.5], [0.25, 0.0]]}},
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +71,9 @@ def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_s
             assert "sound" not in saved, rid
         else:
             assert torch.equal(saved["sound"], expected.sound), rid
+        if getattr(expected, "action", None) is not None:
+            actions = load_file(out / f"{rid}.actions.safetensors")["actions"]
+            assert torch.equal(actions, expected.action[0]), rid
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == len(ROWS)
     assert_lockstep(summary, world_size)
