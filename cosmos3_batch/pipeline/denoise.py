@@ -101,6 +101,8 @@ class RequestJob:
         # The reference draws noise from a CPU generator seeded per request, whatever the device.
         generator = torch.Generator("cpu").manual_seed(r.seed)
         if r.action is not None:
+            if not self.ctx.split.config.get("action_gen", False):
+                raise RequestFailed(f"{r.action.mode}: this checkpoint's transformer has no action_gen")
             conditioning = self._load_image() if r.image is not None else self._load_video()
             with self.ctx.vae_lock:
                 latents = action_latents(self.ctx, r, conditioning, generator)

@@ -3,6 +3,7 @@ line and field, nothing written, and no weight loaded (DESIGN.md §6)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -531,3 +532,33 @@ def test_read_only_out_exits_2(tmp_path: Path, tiny_ckpt: Path) -> None:
         assert list(out.iterdir()) == []
     finally:
         out.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "message"),
+    [
+        ({**VIDEO, "sound": True}, "sound", "this checkpoint cannot generate sound"),
+        (act(), "action", "this checkpoint cannot run action modes: its transformer has no action_gen"),
+    ],
+    ids=["sound", "action"],
+)
+def test_mode_on_a_checkpoint_without_it_exits_2(
+    tmp_path: Path, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, row: dict, field: str, message: str
+) -> None:
+    """With the checkpoint's modes in the limits (request_modes.checkpoint_modes), a sound or action request
+    on the default tiny model (neither) stops the job before anything is loaded."""
+    from cosmos3_batch.request_modes import checkpoint_modes
+
+    plain = job.limits_for
+
+    def with_modes(checkpoint, max_vision_tokens):
+        modes = checkpoint_modes(checkpoint.model_index, checkpoint.config("transformer"))
+        return dataclasses.replace(plain(checkpoint, max_vision_tokens), **modes)
+
+    monkeypatch.setattr(job, "limits_for", with_modes)
+    (tmp_path / "good.png").write_bytes(_image("PNG"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(jsonl(VALID, row))
+    result = invoke("run", prompts, "--model", tiny_ckpt, "--out", tmp_path / "out", "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert f"line 2, field '{field}': {message}" in result.output
