@@ -1,5 +1,7 @@
-"""The generation modes beyond T2I/T2V/I2V against `Cosmos3OmniPipeline.__call__`: bit-exact in float32 on
-CPU, all in one job, whatever `--max-active`."""
+"""Every generation mode beyond T2I/T2V/I2V against `Cosmos3OmniPipeline.__call__`, on the sound+action tiny
+model: V2V (keep first/last, two condition_frames settings), system_prompt off/on, T2V/I2V/V2V+sound (latents,
+frames, waveform), forward dynamics, inverse dynamics and policy at two action widths (latents, frames,
+actions): bit-exact in float32 on CPU, all in one job, at --max-active 1 and 3."""
 
 from __future__ import annotations
 
@@ -53,11 +55,90 @@ CASES = [
 ]
 
 
+TWO_STEPS = {"num_inference_steps": 2}
+FD_ROWS = [[0.1 * i - 0.3 * j for j in range(10)] for i in range(3)]  # 3 rows < chunk 4: the last repeats
+ACTION_CASES = [
+    {
+        "id": "fd-image",
+        "prompt": "the arm pushes the cube",
+        "image": "IMAGE",
+        "action": {"mode": "forward_dynamics", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256,
+                   "actions": FD_ROWS},
+        **TWO_STEPS,
+        "seed": 31,
+    },
+    {
+        "id": "fd-npy-video",
+        "prompt": "the car drives on",
+        "video": "CLIP",
+        "action": {"mode": "forward_dynamics", "chunk_size": 4, "domain": "av", "resolution_tier": 256,
+                   "actions": "AV_NPY", "viewpoint": "third_person_view"},
+        "guidance_scale": 1.0,
+        **TWO_STEPS,
+        "seed": 32,
+    },
+    {
+        "id": "inverse",
+        "prompt": "what moved",
+        "video": "CLIP",
+        "action": {"mode": "inverse_dynamics", "chunk_size": 8, "domain": "bridge_orig_lerobot",
+                   "resolution_tier": 256},
+        **TWO_STEPS,
+        "seed": 33,
+    },
+    {
+        "id": "policy-fractal",
+        "prompt": "pick up the cup",
+        "image": "IMAGE",
+        "action": {"mode": "policy", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256},
+        **TWO_STEPS,
+        "seed": 34,
+    },
+    {
+        "id": "policy-hands",
+        "prompt": "wave both hands",
+        "image": "IMAGE",
+        "action": {"mode": "policy", "chunk_size": 4, "domain": "hand_pose", "resolution_tier": 256,
+                   "viewpoint": "wrist_view"},
+        "guidance_scale": 1.0,
+        **TWO_STEPS,
+        "seed": 35,
+    },
+]  # fmt: skip
+
+
+SOUND_CASES = [
+    {"id": "t2v-sound", "prompt": "rain on a tin roof", **SMALL, "sound": True, "seed": 21},
+    {
+        "id": "i2v-sound",
+        "prompt": "the scene moves and hums",
+        **SMALL,
+        "image": "IMAGE",
+        "sound": True,
+        "guidance_scale": 1.0,
+        "fps": 16,
+        "seed": 22,
+    },
+    {"id": "v2v-sound", "prompt": "the clip goes on", **SMALL, "video": "CLIP", "sound": True, "seed": 23},
+    {"id": "t2v-silent", "prompt": "rain on a tin roof", **SMALL, "seed": 21},
+]
+
+
+def fill(value, paths: dict):
+    if isinstance(value, dict):
+        return {k: fill(v, paths) for k, v in value.items()}
+    return paths.get(value, value) if isinstance(value, str) else value
+
+
 @pytest.fixture(scope="module")
-def requests_(tmp_path_factory) -> list[Request]:
-    rows = [{**c, "video": str(CLIP)} if c.get("video") else c for c in CASES]
-    rows[-1]["num_inference_steps"] = 2
-    requests, errors = load_requests(str(write_jsonl(tmp_path_factory.mktemp("req") / "p.jsonl", rows)))
+def requests_(tmp_path_factory, cond_image) -> list[Request]:
+    folder = tmp_path_factory.mktemp("modes")
+    av = folder / "av.npy"
+    np.save(av, np.linspace(-1, 1, 5 * 9, dtype=np.float32).reshape(5, 9))  # 5 rows > chunk 4: truncated
+    paths = {"IMAGE": str(cond_image), "CLIP": str(CLIP), "AV_NPY": str(av)}
+    rows = [fill(c, paths) for c in CASES + SOUND_CASES + ACTION_CASES]
+    next(r for r in rows if r["id"] == "sys-off-t2i")["num_inference_steps"] = 2
+    requests, errors = load_requests(str(write_jsonl(folder / "p.jsonl", rows)))
     assert errors == []
     return requests
 
@@ -129,17 +210,28 @@ def run_reference(ckpt: Path, requests: list[Request], output_types=("latent", "
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_ckpt, requests_):
-    return run_reference(tiny_ckpt, requests_)
+def reference(tiny_av_ckpt, requests_):
+    return run_reference(tiny_av_ckpt, requests_)
 
 
 @pytest.mark.parametrize("max_active", [1, 3])
-def test_modes_bit_exact_with_reference_pipeline(tiny_ckpt, requests_, reference, max_active):
-    ours, _ = run_ours(tiny_ckpt, requests_, max_active)
+def test_every_mode_in_one_job_is_bit_exact(tiny_av_ckpt, requests_, reference, max_active):
+    ours, _ = run_ours(tiny_av_ckpt, requests_, max_active)
     assert sorted(ours) == sorted(reference)
     for rid, (latent_out, np_out) in reference.items():
         assert torch.equal(ours[rid].latents, latent_out.video), rid
         assert np.array_equal(ours[rid].frames, np_out.video), rid
+        if latent_out.sound is None:
+            assert ours[rid].sound is None, rid
+        else:
+            assert ours[rid].sample_rate == 48000 and ours[rid].sound.shape[0] == 2, rid  # 48 kHz stereo
+            assert torch.equal(ours[rid].sound, latent_out.sound), rid
+            assert torch.equal(ours[rid].sound, np_out.sound), rid
+        if latent_out.action is None:
+            assert ours[rid].actions is None, rid
+        else:
+            assert ours[rid].actions.dtype == torch.float32, rid
+            assert torch.equal(ours[rid].actions, latent_out.action[0]), rid
 
 
 def test_mode_cases_differ(reference):
@@ -147,6 +239,17 @@ def test_mode_cases_differ(reference):
     latents = {rid: outs[0].video for rid, outs in reference.items()}
     assert not torch.equal(latents["v2v-first"], latents["v2v-last"])
     assert not torch.equal(latents["sys-off"], latents["sys-on"])
+    # Sound tokens attend with the vision tokens: with and without sound, the same request differs.
+    assert not torch.equal(latents["t2v-sound"], latents["t2v-silent"])
+    assert reference["t2v-sound"][0].sound.abs().max() > 0
+
+
+def test_actions_have_the_domains_width(reference):
+    assert reference["fd-image"][0].action is None and reference["fd-npy-video"][0].action is None
+    assert reference["inverse"][0].action[0].shape == (8, 10)
+    assert reference["policy-fractal"][0].action[0].shape == (4, 10)
+    assert reference["policy-hands"][0].action[0].shape == (4, 57)
+    assert reference["policy-fractal"][0].action[0].abs().max() > 0
 
 
 def test_system_prompt_default_is_the_checkpoints(tiny_ckpt, requests_):
@@ -161,56 +264,3 @@ def test_system_prompt_default_is_the_checkpoints(tiny_ckpt, requests_):
     off = next(r for r in requests_ if r.id == "sys-off")
     assert tokenize(helper, default) == tokenize(helper, on)  # the tiny checkpoint's default is on
     assert len(tokenize(helper, off)[0]) < len(tokenize(helper, on)[0])
-
-
-SOUND_CASES = [
-    {"id": "t2v-sound", "prompt": "rain on a tin roof", **SMALL, "sound": True, "seed": 21},
-    {
-        "id": "i2v-sound",
-        "prompt": "the scene moves and hums",
-        **SMALL,
-        "image": "IMAGE",
-        "sound": True,
-        "guidance_scale": 1.0,
-        "fps": 16,
-        "seed": 22,
-    },
-    {"id": "v2v-sound", "prompt": "the clip goes on", **SMALL, "video": "CLIP", "sound": True, "seed": 23},
-    {"id": "t2v-silent", "prompt": "rain on a tin roof", **SMALL, "seed": 21},
-]
-
-
-@pytest.fixture(scope="module")
-def sound_requests(tmp_path_factory, cond_image) -> list[Request]:
-    paths = {"IMAGE": str(cond_image), "CLIP": str(CLIP)}
-    rows = [{k: paths.get(v, v) if isinstance(v, str) else v for k, v in c.items()} for c in SOUND_CASES]
-    requests, errors = load_requests(str(write_jsonl(tmp_path_factory.mktemp("snd") / "p.jsonl", rows)))
-    assert errors == []
-    return requests
-
-
-@pytest.fixture(scope="module")
-def sound_reference(tiny_av_ckpt, sound_requests):
-    return run_reference(tiny_av_ckpt, sound_requests)
-
-
-@pytest.mark.parametrize("max_active", [1, 3])
-def test_sound_bit_exact_with_reference_pipeline(tiny_av_ckpt, sound_requests, sound_reference, max_active):
-    ours, _ = run_ours(tiny_av_ckpt, sound_requests, max_active)
-    for rid, (latent_out, np_out) in sound_reference.items():
-        assert torch.equal(ours[rid].latents, latent_out.video), rid
-        assert np.array_equal(ours[rid].frames, np_out.video), rid
-        if latent_out.sound is None:
-            assert ours[rid].sound is None, rid
-            continue
-        assert ours[rid].sample_rate == 48000
-        assert ours[rid].sound.shape[0] == 2, rid  # stereo
-        assert torch.equal(ours[rid].sound, latent_out.sound), rid
-        assert torch.equal(ours[rid].sound, np_out.sound), rid
-
-
-def test_sound_changes_the_video(sound_reference):
-    # Sound tokens attend with the vision tokens: the same request with and without sound must differ,
-    # or the test above could pass with the sound stream left out of the GEN half.
-    assert not torch.equal(sound_reference["t2v-sound"][0].video, sound_reference["t2v-silent"][0].video)
-    assert sound_reference["t2v-sound"][0].sound.abs().max() > 0
