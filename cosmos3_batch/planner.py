@@ -324,7 +324,7 @@ def plan_job(
         "predicted_idle_share": assignment.idle_share,
         "total_work": sum(assignment.costs),
     }
-    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
+    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in GEN-token x steps x branches"]
     text.append(describe_schedule(assignment))
     if checkpoint is not None:
         shape = model_shape(checkpoint, nproc, torch.bfloat16)
