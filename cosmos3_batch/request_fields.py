@@ -234,13 +234,16 @@ def _nearest(lower: int, upper: int, minimum: int, maximum: int) -> str:
     return " or ".join(choices) if choices else "none within the limits"
 
 
-def check_budget(out: LineErrors, limits: ModelLimits, width: int, height: int, num_frames: int) -> None:
+def check_budget(
+    out: LineErrors, limits: ModelLimits, width: int, height: int, num_frames: int, field: str | None = None
+) -> None:
+    """`field`: where to report (by default the frame count or size that made the request too big)."""
     latent_t = (num_frames - 1) // limits.temporal_factor + 1
     cells = -(-height // (limits.spatial_factor * 2)) * -(-width // (limits.spatial_factor * 2))
     tokens = latent_t * cells
     if tokens > limits.max_vision_tokens:
         out.add(
-            "num_frames" if num_frames > 1 else "size",
+            field or ("num_frames" if num_frames > 1 else "size"),
             f"{width}x{height} x {num_frames} frames is {tokens:,} vision tokens, over the per-request "
             f"bound of {limits.max_vision_tokens:,} (raise it with --max-vision-tokens if the GPUs allow)",
         )

@@ -243,7 +243,9 @@ def _validate_object(
         **check_extra_params(out, obj),
     }
     if not out.errors and num_frames is not None:
-        check_budget(out, limits, values["width"], values["height"], num_frames)
+        # An action request's size comes from its tier and chunk size: the budget names the action.
+        where = "action" if values.get("action") is not None else None
+        check_budget(out, limits, values["width"], values["height"], num_frames, where)
     if out.errors:
         return None, request_id, out.errors
     assert request_id is not None and num_frames is not None

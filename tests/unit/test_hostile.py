@@ -433,6 +433,13 @@ CASES = [
     bad(
         act(image=None, video="half.mp4"), "video", "", "is not a readable video", id="action-truncated-video"
     ),
+    bad(
+        act(action={"mode": "policy", "chunk_size": 16, "domain": "fractal", "resolution_tier": 720}),
+        "action",
+        "1104x832 x 17 frames is 4,550 vision tokens, over the per-request bound of 1,000",
+        args=("--max-vision-tokens", "1000"),
+        id="action-over-budget",
+    ),
     case(  # a valid action line passes: line 3 alone stops the job
         jsonl(VALID, act(), {"prompt": "x", "seed": True}),
         "line 3, field 'seed'",
