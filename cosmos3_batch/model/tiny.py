@@ -217,21 +217,7 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
         UniPCMultistepScheduler(**scheduler_config(spec)).save_pretrained(tmp / "scheduler")
 
-        model_index = {
-            "_class_name": "Cosmos3OmniPipeline",
-            "_diffusers_version": _diffusers_version(),
-            "transformer": ["diffusers", "Cosmos3OmniTransformer"],
-            "vae": ["diffusers", "AutoencoderKLWan"],
-            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-            "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-            "sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"] if spec.sound else [None, None],
-            "safety_checker": [None, None],
-            # The tiny model has no guardrail models (guardrail requests are rejected up front anyway).
-            "enable_safety_checker": False,
-            "default_use_system_prompt": True,
-            "use_native_flow_schedule": False,
-        }
-        (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
+        (tmp / "model_index.json").write_text(json.dumps(model_index(spec), indent=2) + "\n")
         (tmp / "tiny_spec.json").write_text(json.dumps(spec_record(spec), indent=2) + "\n")
         # mkdtemp (and safetensors) make owner-only entries: let other users of a shared cache read the model.
         umask = _umask()
@@ -244,6 +230,23 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def model_index(spec: TinySpec) -> dict:
+    return {
+        "_class_name": "Cosmos3OmniPipeline",
+        "_diffusers_version": _diffusers_version(),
+        "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"] if spec.sound else [None, None],
+        "safety_checker": [None, None],
+        # The tiny model has no guardrail models (guardrail requests are rejected up front anyway).
+        "enable_safety_checker": False,
+        "default_use_system_prompt": True,
+        "use_native_flow_schedule": False,
+    }
 
 
 def _write_sound_tokenizer(folder: Path, seed: int) -> None:
