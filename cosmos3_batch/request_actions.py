@@ -44,7 +44,7 @@ DOMAIN_WIDTHS = {
 VIEWPOINTS = ("ego_view", "third_person_view", "wrist_view", "concat_view")
 ACTION_KEYS = ("mode", "chunk_size", "domain", "resolution_tier", "viewpoint", "actions")
 # Top-level keys an action request may not carry: its size and frame count come from the tier and chunk.
-EXCLUDED = ("size", "width", "height", "num_frames", "condition_frames", "condition_video_keep", "sound")
+EXCLUDED = ("size", "width", "height", "num_frames", "condition_frames", "condition_video_keep")
 MAX_ACTION_ROWS = 100_000
 
 
@@ -84,8 +84,7 @@ def check_action(
         return None
     for key in EXCLUDED:
         if _get(obj, key) is not _ABSENT:
-            why = "not used together with action" if key == "sound" else "set by action (tier and chunk_size)"
-            out.add(key, f"{why}: remove it from action requests")
+            out.add(key, "set by action (tier and chunk_size): remove it from action requests")
     if limits.action is False:
         out.add("action", "this checkpoint cannot run action modes: its transformer has no action_gen")
     for key in getattr(value, "duplicates", ()):
@@ -233,12 +232,12 @@ def check_action_request(
 ) -> tuple[dict[str, Any], int | None]:
     """The Request fields of an action line, and its frame count (chunk_size + 1)."""
     from cosmos3_batch.request_fields import check_image
-    from cosmos3_batch.request_modes import check_video_path
+    from cosmos3_batch.request_modes import check_sound, check_video_path
 
     spec = check_action(out, obj, base_dir, limits)
     num_frames = spec.chunk_size + 1 if spec is not None else None
     values: dict[str, Any] = {"action": spec, "condition_frames": None, "condition_video_keep": None}
-    values["sound"] = False
+    values["sound"] = check_sound(out, obj, limits, num_frames)
     image_given, video_given = _get(obj, "image") is not _ABSENT, _get(obj, "video") is not _ABSENT
     values["image"] = check_image(out, obj, base_dir, num_frames) if image_given else None
     values["video"] = check_video_path(out, _get(obj, "video"), base_dir) if video_given else None

@@ -70,7 +70,7 @@ class Request:
     @property
     def kind(self) -> str:
         if self.action is not None:
-            return self.action.mode
+            return f"{self.action.mode}+sound" if self.sound else self.action.mode
         if self.num_frames == 1:
             return "t2i"
         base = "v2v" if self.video is not None else "i2v" if self.image is not None else "t2v"

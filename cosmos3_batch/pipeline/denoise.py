@@ -103,15 +103,16 @@ class RequestJob:
         if r.action is not None:
             if not self.ctx.split.config.get("action_gen", False):
                 raise RequestFailed(f"{r.action.mode}: this checkpoint's transformer has no action_gen")
+            if r.sound:
+                self._require_sound()
             conditioning = self._load_image() if r.image is not None else self._load_video()
             with self.ctx.vae_lock:
                 latents = action_latents(self.ctx, r, conditioning, generator)
-            self.latents, self.condition_mask, stream = latents
-            self.streams.append(stream)
+            self.latents, self.condition_mask, self.streams = latents
         else:
             self.latents, self.condition_mask = self._initial_latents(generator)
-        if r.sound:
-            self.streams.append(self._sound_stream(generator))
+            if r.sound:
+                self.streams.append(self._sound_stream(generator))
         condition_frames = [int(i) for i in torch.nonzero(self.condition_mask[:, 0, 0] > 0).flatten()]
         prompts = [cond_ids, uncond_ids] if self.cfg else [cond_ids]
         self.branches = [self._branch(ids, condition_frames) for ids in prompts]
@@ -184,9 +185,12 @@ class RequestJob:
         noise = randn_tensor(shape, generator=generator, device=ctx.device, dtype=torch.float32)
         return noise, torch.zeros((latent_t, 1, 1), device=ctx.device, dtype=torch.float32)
 
-    def _sound_stream(self, generator: torch.Generator) -> ExtraStream:
+    def _require_sound(self) -> None:
         if self.ctx.sound_tokenizer is None or not self.ctx.split.config.get("sound_gen", False):
             raise RequestFailed("sound: this checkpoint has no sound_tokenizer or no sound_gen")
+
+    def _sound_stream(self, generator: torch.Generator) -> ExtraStream:
+        self._require_sound()
         return sound_stream(self.ctx, self.request.num_frames, self.request.fps, generator)
 
     def _branch(self, input_ids: list[int], condition_frames: list[int]) -> BranchSeq:

@@ -135,9 +135,11 @@ def action_condition(request, conditioning):
 
 
 def action_latents(ctx, request, conditioning, generator: torch.Generator):
-    """(vision latents, vision condition mask, action stream) from the pipeline's own `prepare_latents`:
-    the padded canvas encode, the given/generated action tokens, the noise in the reference's order."""
+    """(vision latents, vision condition mask, [sound stream,] action stream) from the pipeline's own
+    `prepare_latents`: the padded canvas encode, the given/generated action tokens, and the noise of every
+    modality in the reference's order (vision, sound, action)."""
     out = ctx.helper.prepare_latents(
+        enable_sound=request.sound,
         num_frames=request.num_frames,
         height=request.height,
         width=request.width,
@@ -147,9 +149,25 @@ def action_latents(ctx, request, conditioning, generator: torch.Generator):
         dtype=torch.float32,
         action=action_condition(request, conditioning),
     )
-    latents, _, actions, fps, _, vision_mask, _, action_mask, domain_id, _, raw_dim, given = out
-    stream = ExtraStream(
-        ACTION, actions, action_mask, fps=fps, condition_frames=list(given), domain_id=domain_id,
-        raw_action_dim=raw_dim,
+    (
+        latents,
+        sound,
+        actions,
+        fps,
+        fps_sound,
+        vision_mask,
+        sound_mask,
+        action_mask,
+        domain_id,
+        _,
+        raw_dim,
+        given,
+    ) = out
+    streams = [ExtraStream(SOUND, sound, sound_mask, fps=fps_sound)] if request.sound else []
+    streams.append(
+        ExtraStream(
+            ACTION, actions, action_mask, fps=fps, condition_frames=list(given), domain_id=domain_id,
+            raw_action_dim=raw_dim,
+        )
     )  # fmt: skip
-    return latents, vision_mask, stream
+    return latents, vision_mask, streams

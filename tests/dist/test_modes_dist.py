@@ -33,7 +33,7 @@ ROWS = [
     {"id": "sys-off", "prompt": "a red cube", **TINY, "system_prompt": False, "seed": 3},
     {"id": "t2v-sound", "prompt": "rain on a roof", **TINY, "sound": True, "seed": 4},
     {"id": "i2v-sound", "prompt": "it hums", **TINY, "image": "IMAGE", "sound": True, "guidance_scale": 1.0},
-    {"id": "policy", "prompt": "grab it", "image": "IMAGE", "num_inference_steps": 2, "seed": 5,
+    {"id": "policy", "prompt": "grab it", "image": "IMAGE", "num_inference_steps": 2, "sound": True,
      "action": {"mode": "policy", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256}},
     {"id": "inverse", "prompt": "what moved", "video": str(CLIP), "num_inference_steps": 2, "seed": 6,
      "action": {"mode": "inverse_dynamics", "chunk_size": 4, "domain": "hand_pose", "resolution_tier": 256}},

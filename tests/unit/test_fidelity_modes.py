@@ -1,7 +1,8 @@
 """Every generation mode beyond T2I/T2V/I2V against `Cosmos3OmniPipeline.__call__`, on the sound+action tiny
 model: V2V (keep first/last, two condition_frames settings), system_prompt off/on, T2V/I2V/V2V+sound (latents,
 frames, waveform), forward dynamics, inverse dynamics and policy at two action widths (latents, frames,
-actions): bit-exact in float32 on CPU, all in one job, at --max-active 1 and 3."""
+actions), policy and forward dynamics with sound: bit-exact in float32 on CPU, all in one job, at
+--max-active 1 and 3."""
 
 from __future__ import annotations
 
@@ -107,6 +108,28 @@ ACTION_CASES = [
 ]  # fmt: skip
 
 
+ACTION_CASES += [
+    {
+        "id": "policy-sound",
+        "prompt": "pick up the cup, it clinks",
+        "image": "IMAGE",
+        "sound": True,
+        "action": {"mode": "policy", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256},
+        **TWO_STEPS,
+        "seed": 36,
+    },
+    {
+        "id": "fd-sound",
+        "prompt": "the arm pushes the cube with a scrape",
+        "image": "IMAGE",
+        "sound": True,
+        "guidance_scale": 1.0,
+        "action": {"mode": "forward_dynamics", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256,
+                   "actions": FD_ROWS},
+        **TWO_STEPS,
+        "seed": 37,
+    },
+]  # fmt: skip
 SOUND_CASES = [
     {"id": "t2v-sound", "prompt": "rain on a tin roof", **SMALL, "sound": True, "seed": 21},
     {
@@ -162,7 +185,7 @@ def reference_kwargs(r: Request) -> dict:
     if r.image is not None:
         kwargs["image"] = Image.open(r.image)
     if r.action is not None:
-        for key in ("num_frames", "height", "width", "enable_sound", "image"):
+        for key in ("num_frames", "height", "width", "image"):
             kwargs.pop(key, None)  # the reference derives them from the action (and wants them unset)
         return {**kwargs, "action": reference_action(r)}
     if r.video is not None:

@@ -385,7 +385,7 @@ CASES = [
     bad(act(extra=1), "action.extra", "unknown key", id="action-unknown-key"),
     bad(act(size="32x32"), "size", "set by action", id="action-with-size"),
     bad(act(num_frames=9), "num_frames", "set by action", id="action-with-frames"),
-    bad(act(sound=True), "sound", "not used together with action", id="action-with-sound"),
+    bad(act(sound="yes"), "sound", "must be true or false", id="action-sound-str"),
     bad(act(image=None), "action", "needs a conditioning image or video", id="action-no-conditioning"),
     bad(
         act(video="clip.mp4"),
