@@ -26,6 +26,7 @@ class ExtraStream:
     raw_action_dim: int | None = None  # ACTION: the embodiment's width; wider channels stay zero
     scheduler: object = None
     layout: StreamLayout | None = None
+    steps: bool = True  # set by start(): whether this stream's latents move at all
 
     @property
     def length(self) -> int:
@@ -58,11 +59,9 @@ class ExtraStream:
     def start(self, vision_scheduler) -> None:
         # UniPC keeps per-step state on the instance: each modality needs its own, as in the reference.
         self.scheduler = copy.deepcopy(vision_scheduler)
-
-    @property
-    def steps(self) -> bool:
-        """The reference steps the action stream only when some action token is generated."""
-        return self.kind == SOUND or bool(self.condition_mask.sum() < self.condition_mask.numel())
+        # The reference steps the action stream only when some action token is generated. Decided once
+        # here: reading the mask on the host every step would synchronize the device.
+        self.steps = self.kind == SOUND or bool(self.condition_mask.sum() < self.condition_mask.numel())
 
     def step(self, velocity: torch.Tensor, t: torch.Tensor) -> None:
         if not self.steps:
