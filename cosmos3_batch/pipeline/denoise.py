@@ -101,14 +101,7 @@ class RequestJob:
         # The reference draws noise from a CPU generator seeded per request, whatever the device.
         generator = torch.Generator("cpu").manual_seed(r.seed)
         if r.action is not None:
-            if not self.ctx.split.config.get("action_gen", False):
-                raise RequestFailed(f"{r.action.mode}: this checkpoint's transformer has no action_gen")
-            if r.sound:
-                self._require_sound()
-            conditioning = self._load_image() if r.image is not None else self._load_video()
-            with self.ctx.vae_lock:
-                latents = action_latents(self.ctx, r, conditioning, generator)
-            self.latents, self.condition_mask, self.streams = latents
+            self.latents, self.condition_mask, self.streams = self._action_latents(generator)
         else:
             self.latents, self.condition_mask = self._initial_latents(generator)
             if r.sound:
@@ -123,6 +116,16 @@ class RequestJob:
         self.timesteps = self.scheduler.timesteps
         self._timestep_values = self.timesteps.tolist()  # read on the host each step without a device sync
         self.timings["prepare_s"] = time.perf_counter() - start
+
+    def _action_latents(self, generator: torch.Generator):
+        r = self.request
+        if not self.ctx.split.config.get("action_gen", False):
+            raise RequestFailed(f"{r.action.mode}: this checkpoint's transformer has no action_gen")
+        if r.sound:
+            self._require_sound()
+        conditioning = self._load_image() if r.image is not None else self._load_video()
+        with self.ctx.vae_lock:  # the canvas encode: one VAE call at a time with the finisher's decodes
+            return action_latents(self.ctx, r, conditioning, generator)
 
     def _initial_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         r, ctx = self.request, self.ctx
