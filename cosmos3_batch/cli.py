@@ -192,6 +192,12 @@ def make_tiny(
     force: Annotated[
         bool, typer.Option(help="Replace DIR even if it is a non-empty folder make-tiny did not write.")
     ] = False,
+    sound: Annotated[
+        bool, typer.Option("--sound", help="Add joint audio (a small sound tokenizer, sound_gen).")
+    ] = False,
+    action: Annotated[
+        bool, typer.Option("--action", help="Add action_gen (every embodiment domain of the reference).")
+    ] = False,
 ) -> None:
     """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline.
     Exit 2 (and nothing changed) for bad flags or a DIR that holds something else."""
@@ -207,6 +213,8 @@ def make_tiny(
             intermediate=intermediate,
             dtype=dtype,
             vocab=vocab,
+            sound=sound,
+            action=action,
         )
         if not force:
             check_replaceable(dir)

@@ -169,11 +169,26 @@ class Cosmos3Split:
         original_shapes: list[tuple[int, int, int]],
     ) -> torch.Tensor:
         """Final GEN norm, proj_out and unpatchify: the branch's velocity prediction [1, C, T, H, W]."""
-        t = self.transformer
-        hidden = t.norm_moe_gen(seq.gen_hidden)
+        return self.vision_head(self.final_norm(seq), seq, token_shapes, noisy_frame_indexes, original_shapes)
+
+    def final_norm(self, seq: BranchSeq) -> torch.Tensor:
+        """The GEN stream after the final norm; frees the branch's hidden state. Sound and action heads
+        (model/modes.py) read their rows of it too."""
+        hidden = self.transformer.norm_moe_gen(seq.gen_hidden)
         seq.gen_hidden = None
+        return hidden
+
+    def vision_head(
+        self,
+        normed: torch.Tensor,
+        seq: BranchSeq,
+        token_shapes: list[tuple[int, int, int]],
+        noisy_frame_indexes: list[torch.Tensor],
+        original_shapes: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        t = self.transformer
         preds = t._unpatchify_and_unpack_latents(
-            t.proj_out(hidden[seq.mse_rows]),
+            t.proj_out(normed[seq.mse_rows]),
             token_shapes_vision=token_shapes,
             noisy_frame_indexes_vision=noisy_frame_indexes,
             original_latent_shapes=original_shapes,

@@ -112,7 +112,7 @@ def plan_run(cfg: RunConfig) -> Plan:
     for r in requests:
         paths = outputs.paths_for(cfg.out, r.id, r.num_frames)
         key = output_key(r, identity, cfg.vae_tiling)
-        done, why = outputs.is_complete(paths, r.content_hash(), key, cfg.save_latents)
+        done, why = outputs.is_complete(paths, r.content_hash(), key, cfg.save_latents, outputs.mode_files(r))
         if done and not cfg.overwrite:
             complete.append(r)
             continue
@@ -202,13 +202,19 @@ class ResultWriter:
         start = time.perf_counter()
         paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames)
         frames = outputs.to_uint8(result.frames)
+        audio = (result.sound, result.sample_rate) if result.sound is not None else None
         if r.num_frames == 1:
             size = outputs.write_png(paths.media, frames[0])
         else:
-            size = outputs.write_mp4(paths.media, frames, r.fps)
+            size = outputs.write_mp4(paths.media, frames, r.fps, audio=audio)
         files = {"media": {"name": paths.media.name, "bytes": size}}
+        if audio is not None:
+            size = outputs.write_wav(paths.wav, *audio)
+            files["wav"] = {"name": paths.wav.name, "bytes": size}
+        if result.actions is not None:
+            files.update(outputs.write_actions(paths, result.actions, r))
         if self.cfg.save_latents:
-            size = outputs.write_latents(paths.latents, result.latents)
+            size = outputs.write_latents(paths.latents, result.latents, sound=result.sound)
             files["latents"] = {"name": paths.latents.name, "bytes": size}
         job.timings["write_s"] = time.perf_counter() - start  # the media and latents; the sidecar is tiny
         sidecar = {
@@ -221,6 +227,7 @@ class ResultWriter:
             "seed": r.seed,
             "tokens": job.tokens,
             "files": files,
+            **outputs.media_facts(result),
             "timings": {k: round(v, 6) for k, v in job.timings.items()},
             "model": str(self.model_dir),
             "versions": versions(),
