@@ -80,6 +80,7 @@ def gen_layer_batched(
         )
     residual = hidden + attn.to_add_out(torch.cat(outs))
     out = residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
+    # Written only now (a failed batch leaves every branch as it was, so the caller can retry per branch).
     # Views into one buffer: every seq in a pass is replaced at the next layer, so none outlives the others
     # by more than a layer, and the head reads its rows by index.
     for seq, rows in zip(seqs, out.split(sizes), strict=True):
@@ -108,22 +109,23 @@ def und_layer_batched(
     k_gen = k_rot if attn.k_norm_und_for_gen is None else _apply_rotary(attn.k_norm_und_for_gen(k), rot)
     # The cache lives as long as its request, and requests prefilled together finish at different passes:
     # clone each branch's slice so one finished request does not pin the whole batch's K/V.
-    for seq, k_s, v_s in zip(seqs, k_gen.split(sizes), v.split(sizes), strict=True):
-        seq.und_kv.append((k_s.clone(), v_s.clone()))
+    kv = [(k_s.clone(), v_s.clone()) for k_s, v_s in zip(k_gen.split(sizes), v.split(sizes), strict=True)]
     if is_last:
         # The last layer's UND output feeds nothing the vision head reads: only its K/V matter.
-        for seq in seqs:
-            seq.und_hidden = None
-        return
-    q = _apply_rotary(attn.norm_q(q), rot)
-    outs = [
-        # Causal within each branch only: a branch never sees another's text.
-        _attention(attn, q_s, k_s, v_s, causal=True)
-        for q_s, k_s, v_s in zip(q.split(sizes), k_rot.split(sizes), v.split(sizes), strict=True)
-    ]
-    residual = hidden + attn.to_out(torch.cat(outs))
-    out = residual + layer.mlp(layer.post_attention_layernorm(residual))
-    for seq, rows in zip(seqs, out.split(sizes), strict=True):
+        new_hidden: list[torch.Tensor | None] = [None] * len(seqs)
+    else:
+        q = _apply_rotary(attn.norm_q(q), rot)
+        outs = [
+            # Causal within each branch only: a branch never sees another's text.
+            _attention(attn, q_s, k_s, v_s, causal=True)
+            for q_s, k_s, v_s in zip(q.split(sizes), k_rot.split(sizes), v.split(sizes), strict=True)
+        ]
+        residual = hidden + attn.to_out(torch.cat(outs))
+        new_hidden = list((residual + layer.mlp(layer.post_attention_layernorm(residual))).split(sizes))
+    # Nothing is written until everything is computed: if a batch fails (out of memory), every branch is
+    # as it was and the caller can retry them one by one to find the failing request.
+    for seq, pair, rows in zip(seqs, kv, new_hidden, strict=True):
+        seq.und_kv.append(pair)
         seq.und_hidden = rows
 
 

@@ -16,6 +16,7 @@ The measured thresholds are this CPU's and this MKL's: those tests skip elsewher
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 
@@ -210,6 +211,28 @@ def test_cached_und_kv_owns_its_memory(split):
     for seq in seqs:
         for tensor in seq.und_kv[0]:
             assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+class _OutOfMemory(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_failed_batch_leaves_every_branch_as_it_was(split):
+    # So the runner can retry the branches one by one and fail only the request that does not fit.
+    layer = copy.deepcopy(split.transformer.layers[0])
+    layer.mlp, layer.mlp_moe_gen = _OutOfMemory(), _OutOfMemory()
+    generator = torch.Generator().manual_seed(6)
+    seqs = [make_seq(split, n, 8, generator) for n in (10, 30)]
+    before = [(s.und_hidden, s.gen_hidden) for s in seqs]
+    with pytest.raises(RuntimeError, match="simulated"):
+        und_layer_batched(split, layer, seqs, False)
+    for seq, (und, gen) in zip(seqs, before, strict=True):
+        assert seq.und_hidden is und and seq.gen_hidden is gen and seq.und_kv == []
+    und_layer_batched(split, split.transformer.layers[0], seqs, False)
+    with pytest.raises(RuntimeError, match="simulated"):
+        gen_layer_batched(split, layer, seqs, 0)
+    assert all(s.gen_hidden is g for s, (_, g) in zip(seqs, before, strict=True))
 
 
 def test_und_batched_refuses_a_cached_branch(split):
