@@ -22,7 +22,7 @@ from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split, _apply_rotary, 
 
 def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(rows), without the copy when they already lie end to end in one buffer (as the previous
-    layer's batched output leaves them): at 8 x 1k tokens that copy is a tenth of a GEN half's time."""
+    layer's batched output leaves them): a 16 MB copy per layer saved at 8 x 1k tokens of hidden 512."""
     first = rows[0]
     offset, width = first.storage_offset(), first.shape[1:].numel()
     storage = first.untyped_storage().data_ptr()
