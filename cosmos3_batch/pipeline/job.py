@@ -309,6 +309,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         und_cache=cfg.und_cache,
         stop=stop,
         rule=cfg.prefill,
+        batch_branches=cfg.batch_branches,
     )
     try:
         runner.run(mine)
