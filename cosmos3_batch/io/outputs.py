@@ -51,12 +51,15 @@ def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
 
 
 def media_facts(result) -> dict:
-    """What the sidecar says about the audio (and, later, other modalities) beyond the file list."""
-    if getattr(result, "sound", None) is None:
-        return {}
-    channels, samples = result.sound.shape
-    audio = {"sample_rate": result.sample_rate, "channels": channels, "samples": samples}
-    return {"sound": {**audio, "wav_format": "pcm_s16le", "mp4_codec": "aac"}}
+    """What the sidecar says about the audio and the predicted actions beyond the file list."""
+    facts = {}
+    if getattr(result, "sound", None) is not None:
+        channels, samples = result.sound.shape
+        audio = {"sample_rate": result.sample_rate, "channels": channels, "samples": samples}
+        facts["sound"] = {**audio, "wav_format": "pcm_s16le", "mp4_codec": "aac"}
+    if getattr(result, "actions", None) is not None:
+        facts["actions"] = {"shape": list(result.actions.shape), "dtype": "float32"}
+    return facts
 
 
 def mode_files(request) -> tuple[str, ...]:

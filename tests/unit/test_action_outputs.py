@@ -61,6 +61,7 @@ def test_sidecar_metrics_and_resume_cover_the_actions(job, tiny_av_ckpt):
     sidecar = json.loads((out / "pol.json").read_text())
     assert sidecar["kind"] == "policy"
     assert set(sidecar["files"]) == {"media", "actions", "actions_json"}
+    assert sidecar["actions"] == {"shape": [4, 20], "dtype": "float32"}
     with open(out / "metrics.csv") as f:
         assert sorted(row["kind"] for row in csv.DictReader(f)) == [
             "forward_dynamics",
