@@ -3,7 +3,6 @@ line and field, nothing written, and no weight loaded (DESIGN.md §6)."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -550,19 +549,10 @@ def test_read_only_out_exits_2(tmp_path: Path, tiny_ckpt: Path) -> None:
     ids=["sound", "action"],
 )
 def test_mode_on_a_checkpoint_without_it_exits_2(
-    tmp_path: Path, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, row: dict, field: str, message: str
+    tmp_path: Path, tiny_ckpt: Path, row: dict, field: str, message: str
 ) -> None:
-    """With the checkpoint's modes in the limits (request_modes.checkpoint_modes), a sound or action request
-    on the default tiny model (neither) stops the job before anything is loaded."""
-    from cosmos3_batch.request_modes import checkpoint_modes
-
-    plain = job.limits_for
-
-    def with_modes(checkpoint, max_vision_tokens):
-        modes = checkpoint_modes(checkpoint.model_index, checkpoint.config("transformer"))
-        return dataclasses.replace(plain(checkpoint, max_vision_tokens), **modes)
-
-    monkeypatch.setattr(job, "limits_for", with_modes)
+    """The checkpoint's modes are in the limits (request_modes.checkpoint_modes): a sound or action request
+    on the default tiny model (it has neither) stops the job before anything is loaded."""
     (tmp_path / "good.png").write_bytes(_image("PNG"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(jsonl(VALID, row))
