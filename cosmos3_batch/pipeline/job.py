@@ -7,30 +7,29 @@ checkpoint layout) runs before any weight is read, and raises `BadInput` (exit c
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import signal as signal_module
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.dist import World, init_world, teardown
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import MetricsWriter, iso_time, merge_metrics, state_dir, write_passes
+from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics, state_dir, write_passes
 from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
-from cosmos3_batch.pipeline.denoise import RequestJob, Result, tokenize
+from cosmos3_batch.pipeline.denoise import tokenize
+from cosmos3_batch.pipeline.results import ResultWriter, output_key
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
+from cosmos3_batch.pipeline.summary import build_summary, describe_summary, preview, rank_report, summary_name
 from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.schedule import assign, in_shard
@@ -126,120 +125,6 @@ def plan_run(cfg: RunConfig) -> Plan:
     return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity)
 
 
-def output_key(r: Request, model_identity: str, vae_tiling: bool) -> str:
-    """What besides the request decides the output bytes: the model and how we decode."""
-    text = json.dumps([r.content_hash(), model_identity, vae_tiling])
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def versions() -> dict[str, str]:
-    import diffusers
-    import transformers
-
-    return {
-        "cosmos3_batch": cosmos3_batch.__version__,
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-@dataclass
-class ResultWriter:
-    """Writes each finished request's files (sidecar last) and its metrics row (columns: README, Outputs)."""
-
-    cfg: RunConfig
-    model_dir: Path
-    metrics: MetricsWriter
-    model_identity: str
-    rank: int = 0
-    loop_started: float = field(default_factory=time.time)  # queue_s counts from here
-    ok: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def __call__(self, job: RequestJob, result: Result | None, error: str | None) -> None:
-        r = job.request
-        output = ""
-        if result is not None:
-            try:
-                output = self._write(job, result)
-            except Exception as exc:  # disk full, encoder error: this request fails, the job goes on
-                error = f"{type(exc).__name__}: {exc}"
-        if error is None:
-            self.ok.append(r.id)
-        else:
-            self.failed[r.id] = error
-            log.warning("request %s failed: %s", r.id, error)
-        self.row(job, "ok" if error is None else "failed", output, error)
-
-    def row(self, job: RequestJob, status: str, output: str = "", error: str | None = None) -> None:
-        r = job.request
-        timings = job.timings
-        try:
-            self.metrics.row(
-                id=r.id,
-                status=status,
-                kind=r.kind,
-                width=r.width,
-                height=r.height,
-                num_frames=r.num_frames,
-                steps=r.num_inference_steps,
-                guidance=r.guidance_scale,
-                seed=r.seed,
-                tokens=job.tokens,
-                queue_s=max(0.0, job.admitted_at - self.loop_started),
-                latency_s=time.perf_counter() - job.admitted_perf,
-                weight_bytes=round(job.weight_bytes),
-                stall_s=job.stall_s,
-                rank=self.rank,
-                admitted_at=iso_time(job.admitted_at),
-                finished_at=iso_time(time.time()),
-                output=output,
-                error=error,
-                **{k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")},
-            )
-        except OSError as exc:  # a full disk must fail this row, not the rank (its peers would hang)
-            log.error("request %s: cannot append its metrics row: %s", r.id, exc)
-
-    def _write(self, job: RequestJob, result: Result) -> str:
-        r = job.request
-        start = time.perf_counter()
-        paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames)
-        frames = outputs.to_uint8(result.frames)
-        audio = (result.sound, result.sample_rate) if result.sound is not None else None
-        if r.num_frames == 1:
-            size = outputs.write_png(paths.media, frames[0])
-        else:
-            size = outputs.write_mp4(paths.media, frames, r.fps, audio=audio)
-        files = {"media": {"name": paths.media.name, "bytes": size}}
-        if audio is not None:
-            size = outputs.write_wav(paths.wav, *audio)
-            files["wav"] = {"name": paths.wav.name, "bytes": size}
-        if result.actions is not None:
-            files.update(outputs.write_actions(paths, result.actions, r))
-        if self.cfg.save_latents:
-            size = outputs.write_latents(paths.latents, result.latents, sound=result.sound)
-            files["latents"] = {"name": paths.latents.name, "bytes": size}
-        job.timings["write_s"] = time.perf_counter() - start  # the media and latents; the sidecar is tiny
-        sidecar = {
-            "id": r.id,
-            "status": "complete",
-            "kind": r.kind,
-            "request": r.resolved(),
-            "request_hash": r.content_hash(),
-            "output_key": output_key(r, self.model_identity, self.cfg.vae_tiling),
-            "seed": r.seed,
-            "tokens": job.tokens,
-            "files": files,
-            **outputs.media_facts(result),
-            "timings": {k: round(v, 6) for k, v in job.timings.items()},
-            "model": str(self.model_dir),
-            "versions": versions(),
-        }
-        outputs.write_json(paths.sidecar, sidecar)
-        return paths.media.name
-
-
 @record
 def run_job(cfg: RunConfig) -> tuple[int, str | None]:
     """(exit code, summary line on rank 0 else None): 0 all requests ok, 1 some failed, 130 / 143 stopped
@@ -283,7 +168,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         "%d requests to generate, %d already complete%s, %d invalid",
         len(plan.requests),
         len(plan.complete),
-        _preview(r.id for r in plan.complete),
+        preview(r.id for r in plan.complete),
         len(plan.invalid),
     )
     if not plan.requests:  # nothing to do: no weight is read, no bar is shown
@@ -333,7 +218,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         weights.close()
         write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-    report = _rank_report(world, runner, writer, gathers)
+    report = rank_report(world, runner, writer, gathers)
     report["signal"] = stop.name
     ranks = world.all_gather_object(report)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
@@ -370,7 +255,7 @@ def _end(
     if world.is_main:
         if ranks:
             merge_metrics(cfg.out)
-        summary = _summary(cfg, plan, ranks, failed, time.time() - started, world)
+        summary = build_summary(cfg, plan, ranks, failed, time.time() - started, world)
         if interrupted:
             summary["interrupted"] = {
                 "signal": signals[0] if signals else "",
@@ -389,87 +274,6 @@ def _end(
     return (1 if failed else 0), line
 
 
-def _preview(ids, limit: int = 8) -> str:
-    """': a, b, c (+5 more)' for a log line; the full list is in summary.json."""
-    ids = list(ids)
-    if not ids:
-        return ""
-    more = f" (+{len(ids) - limit} more)" if len(ids) > limit else ""
-    return ": " + ", ".join(ids[:limit]) + more
-
-
 def _quiet_other_ranks(world: World) -> None:
     if not world.is_main:
         logging.getLogger("cosmos3_batch").setLevel(logging.WARNING)
-
-
-def _rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers: bool) -> dict:
-    totals = runner.totals
-    return {
-        "rank": world.rank,
-        "ok": len(writer.ok),
-        "failed": writer.failed,
-        "passes": runner.passes,
-        "und_passes": runner.und_passes,
-        "pass_s": round(runner.pass_s, 6),
-        "all_reduces": runner.sync.all_reduces,
-        "gathers": totals.fetches if world.distributed and gathers else 0,
-        "fetches": totals.fetches,
-        "collective_trace": runner.sync.trace_digest,
-        "abandoned": [job.request.id for job in runner.abandoned],
-        "not_started": len(runner.not_started),
-        "h2d_bytes": totals.h2d_bytes,
-        "gathered_bytes": totals.gathered_bytes,
-        "stall_s": round(totals.stall_s, 6),
-        "collective_s": round(totals.collective_s, 6),
-        "compute_s": round(totals.compute_s, 6),
-        "h2d_s": round(totals.h2d_s, 6),
-        "stall_share": round(totals.stall_share, 6),
-        "und_runs": runner.und_runs,
-        # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
-        "active_sum": sum(record.active for record in runner.timeline),
-    }
-
-
-def _summary(cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: float, world: World) -> dict:
-    ok = sum(report["ok"] for report in ranks)
-    return {
-        "requests_in_file": len(plan.requests) + len(plan.complete) + len(plan.invalid),
-        "generated_ok": ok,
-        "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
-        "skipped_complete": len(plan.complete),
-        "skipped_complete_ids": sorted(r.id for r in plan.complete),
-        "invalid": [{"line": e.line, "field": e.field, "error": e.message} for e in plan.invalid],
-        "started_at": iso_time(time.time() - wall),
-        "wall_s": round(wall, 3),
-        "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
-        "ranks": ranks,
-        "config": {
-            "prompts": str(cfg.prompts.resolve()),
-            "model": str(plan.model_dir),
-            "max_active": cfg.max_active,
-            "offload": cfg.offload.value,
-            "world_size": world.world_size,
-            "device": str(world.device),
-        },
-        "versions": versions(),
-    }
-
-
-def summary_name(tag: str) -> str:
-    return f"summary.{tag}.json" if tag else "summary.json"
-
-
-def describe_summary(out: Path, tag: str = "") -> str:
-    summary = json.loads((out / summary_name(tag)).read_text())
-    line = (
-        f"{summary['generated_ok']} generated, {len(summary['failed'])} failed, "
-        f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"
-    )
-    if stopped := summary.get("interrupted"):
-        left = len(stopped["abandoned"]) + stopped["not_started"]
-        line = (
-            f"stopped by {stopped['signal'] or 'a signal'}: {line}; {left} not generated "
-            "(rerun the same command to resume)"
-        )
-    return line
