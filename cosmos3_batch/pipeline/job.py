@@ -173,6 +173,10 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     )
     if not plan.requests:  # nothing to do: no weight is read, no bar is shown
         return _end(cfg, world, plan, [], started, None)
+    try:
+        outputs.pin_encoder()
+    except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
+        raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
     mine = assign(plan.requests, world.world_size).queues[world.rank]
     checkpoint = Checkpoint.open(plan.model_dir)
     ctx = load_context(

@@ -169,8 +169,9 @@ def assert_done_once(out: Path, ids: list[str], part_files: int) -> None:
     parts = sorted((out / ".cosmos3_batch").glob("metrics.*.csv"))
     assert len(parts) == part_files, parts
     rows = [row for part in parts for row in read_rows(part)]
-    assert Counter(row["id"] for row in rows) == Counter(ids), rows
-    assert all(row["status"] == "ok" for row in rows), rows
+    # A requeue stops the first attempt with SIGTERM: what it had mid-denoise is on record as interrupted.
+    assert {row["status"] for row in rows} <= {"ok", "interrupted"}, rows
+    assert Counter(row["id"] for row in rows if row["status"] == "ok") == Counter(ids), rows
 
 
 def test_requeue_appends_the_log_and_resumes(cluster: Cluster, jobs: dict[str, Job]) -> None:

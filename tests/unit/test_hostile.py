@@ -475,11 +475,15 @@ def _files(folder: Path) -> set[Path]:
 def test_hostile_file_exits_2_naming_the_line_and_writes_nothing(
     tmp_path: Path,
     tiny_ckpt: Path,
+    tiny_av_ckpt: Path,
     content: bytes,
     expected: tuple[str, ...],
     args: tuple[str, ...],
     absent: tuple[str, ...],
 ) -> None:
+    # Action lines are checked against a checkpoint that has action_gen: on one without it, that one error
+    # is all a line gets (its own test below).
+    model = tiny_av_ckpt if b'"action"' in content else tiny_ckpt
     png, jpeg = _image("PNG"), _image("JPEG")
     (tmp_path / "good.png").write_bytes(png)
     (tmp_path / "half.png").write_bytes(png[: len(png) // 2])
@@ -501,7 +505,7 @@ def test_hostile_file_exits_2_naming_the_line_and_writes_nothing(
     prompts.write_bytes(content)
     before = _files(tmp_path)
     out = tmp_path / "out"
-    result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress", *args)
+    result = invoke("run", prompts, "--model", model, "--out", out, "--no-progress", *args)
     assert result.exit_code == 2, result.output
     for text in expected:
         assert text in result.output, result.output

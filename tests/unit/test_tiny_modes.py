@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.model.tiny import TinySpec, default_tiny_dir, spec_record, write_tiny
+from cosmos3_batch.model.tiny import MARKER, TinySpec, default_tiny_dir, spec_record, write_tiny
 
 # sha256 over (relative path, sha256 of content) of every file of `make-tiny DIR` as built before the mode
 # flags existed (torch 2.13.0, diffusers 0.42.1: the versions the project pins).
@@ -18,8 +18,9 @@ DEFAULT_DIGEST = "d34145175f513148ee08216bcc1d421d33a2ef168de39bfd4feff816f77ba0
 
 
 def folder_digest(root: Path) -> str:
+    """The checkpoint's files; make-tiny's ownership marker is not part of the checkpoint."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MARKER):
         digest.update(str(file.relative_to(root)).encode())
         digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()
@@ -27,6 +28,7 @@ def folder_digest(root: Path) -> str:
 
 def test_default_checkpoint_bytes_are_unchanged(tiny_ckpt):
     assert folder_digest(tiny_ckpt) == DEFAULT_DIGEST
+    assert (tiny_ckpt / MARKER).is_file()
     assert "sound" not in spec_record(TinySpec()) and "action" not in spec_record(TinySpec())
     assert default_tiny_dir().name == "tiny-693600be6fe8"
 
