@@ -218,6 +218,33 @@ def make_tiny(
 
 
 @app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint (diffusers layout, bf16/fp16/fp32).")],
+    dst: Annotated[Path, typer.Argument(help="Folder to write the converted checkpoint to (new or empty).")],
+    fp8: Annotated[
+        bool, typer.Option("--fp8", help="Per-tensor FP8 e4m3 layer weights + scales (ModelOpt layout).")
+    ] = False,
+) -> None:
+    """Write DST, a converted copy of checkpoint SRC, streaming one tensor at a time (never the whole
+    model in memory). Exit 2 (nothing written) for a bad SRC or a non-empty DST."""
+    from cosmos3_batch.convert import convert_fp8
+    from cosmos3_batch.model.loading import CheckpointError
+
+    if not fp8:
+        typer.echo("error: say which conversion: --fp8 (the only one so far)", err=True)
+        raise typer.Exit(2)
+    try:
+        result = convert_fp8(src, dst)
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"wrote {dst}: {result.quantized} linear weights in FP8, {result.copied} tensors copied; "
+        f"transformer {result.source_bytes / 2**20:.1f} MiB -> {result.target_bytes / 2**20:.1f} MiB"
+    )
+
+
+@app.command()
 def report(
     out: Annotated[Path, typer.Argument(help="A run's --out folder.")],
     page_size: Annotated[int, typer.Option(help="Outputs per HTML page.")] = 300,
