@@ -21,6 +21,11 @@ FREE_SHARE_HELP = (
     "prefilled request to take it (README: choosing the prefill rule)."
 )
 MAX_WAIT_HELP = "... or when a free slot has waited this many passes for a UND pass."
+FP8_COMPUTE_HELP = (
+    "FP8 checkpoints only. checkpoint: the checkpoint's step policy (W8A16 on its first/last steps, W8A8 "
+    "between; W8A16 throughout where no FP8 GEMM exists, e.g. CPU); a16: W8A16 (dequantize, then the "
+    "linear) on every step."
+)
 LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V kept until a slot frees)."
 
 
@@ -84,6 +89,7 @@ def run(
     prefill_free_share: Annotated[float, typer.Option(help=FREE_SHARE_HELP)] = 0.25,
     prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = 2,
     prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 3,
+    fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
     130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
@@ -109,6 +115,7 @@ def run(
             und_cache=und_cache,
             shard=shard,
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
+            fp8_compute=fp8_compute,
         )
         code, line = run_job(cfg)
     except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract

@@ -75,6 +75,13 @@ class Cosmos3Split:
         self.transformer = transformer
         self.config = transformer.config
         self.num_layers = self.config.num_hidden_layers
+        # FP8 checkpoints (model/fp8.py): which math the linears run, chosen per sequence; None otherwise.
+        self.fp8 = getattr(transformer, "fp8_compute", None)
+
+    def select_precision(self, step_index: int, num_steps: int, gen: bool) -> None:
+        """Before a sequence's layer half: sequences sharing a pass may be at different steps."""
+        if self.fp8 is not None:
+            self.fp8.select(step_index, num_steps, gen)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -282,6 +282,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         with_layers=cfg.offload is OffloadMode.RESIDENT,
         vae_tiling=cfg.vae_tiling,
         tokenizer=plan.tokenizer,
+        fp8_compute=cfg.fp8_compute,
     )
     weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)

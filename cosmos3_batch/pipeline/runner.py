@@ -266,6 +266,7 @@ class PassRunner:
             if job.error is not None:
                 continue
             try:
+                split.select_precision(job.step_index, len(job.timesteps), gen=part == GEN)
                 for branch in job.branches:
                     if part == GEN:
                         split.gen_layer(layer, branch, index)
