@@ -30,7 +30,7 @@ from cosmos3_batch.pipeline.context import build_helper, load_context, load_toke
 from cosmos3_batch.pipeline.denoise import RequestJob, Result, tokenize
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
-from cosmos3_batch.pipeline.weights import build_weights
+from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.schedule import assign, in_shard
 
@@ -148,6 +148,7 @@ class ResultWriter:
     metrics: MetricsWriter
     model_identity: str
     rank: int = 0
+    weights: dict | None = None  # weights_report(): the sidecar says which math made the output
     loop_started: float = field(default_factory=time.time)  # queue_s counts from here
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
@@ -222,6 +223,7 @@ class ResultWriter:
             "files": files,
             "timings": {k: round(v, 6) for k, v in job.timings.items()},
             "model": str(self.model_dir),
+            "weights": self.weights,
             "versions": versions(),
         }
         outputs.write_json(paths.sidecar, sidecar)
@@ -288,7 +290,14 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
     bar = tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True)
-    writer = ResultWriter(cfg, plan.model_dir, metrics, plan.model_identity, rank=world.rank)
+    writer = ResultWriter(
+        cfg,
+        plan.model_dir,
+        metrics,
+        plan.model_identity,
+        rank=world.rank,
+        weights=weights_report(ctx.split.fp8),
+    )
     sync = PassSync(world.world_size, world.exchange_group)
     runner = PassRunner(
         ctx,
@@ -319,6 +328,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
     report = _rank_report(world, runner, writer, gathers)
     report["signal"] = stop.name
+    report["weights"] = weights_report(ctx.split.fp8, calls=True)
     return _end(cfg, world, plan, world.all_gather_object(report), started, runner)
 
 

@@ -139,3 +139,7 @@ def test_a16_through_the_engine_single_process(tiny_ckpt, fp8_ckpt, requests_, t
     assert proc.returncode == 0, proc.stderr
     for rid, latents in expected.items():
         assert torch.equal(load_file(tmp_path / "o" / f"{rid}.latents.safetensors")["latents"], latents), rid
+        sidecar = json.loads((tmp_path / "o" / f"{rid}.json").read_text())
+        assert sidecar["weights"] == {"format": "fp8_e4m3", "fp8_compute": "w8a16", "fp8_mode": "a16"}
+    (rank,) = json.loads((tmp_path / "o" / "summary.json").read_text())["ranks"]
+    assert rank["weights"]["w8a8_calls"] == 0 and rank["weights"]["w8a16_calls"] > 0
