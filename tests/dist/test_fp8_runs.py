@@ -89,4 +89,10 @@ def test_fp8_rank_holds_at_most_0_6x_the_bf16_shard_privately(tmp_path):
     held = {name: probe(ckpt, "allgather", tmp_path) for name, ckpt in (("bf16", bf16), ("fp8", fp8))}
     for b, f in zip(held["bf16"], held["fp8"], strict=True):
         assert f["rss_anon_delta"] <= 0.6 * b["rss_anon_delta"], (b, f)
+        # No transient full model while loading: the peak stays at the rank's shard + slots + a little.
+        shard = f["layer_bytes"] / 2
+        assert f["rss_anon_peak_delta"] <= shard + f["slot_bytes"] + 4 * 2**20, f
     print("rss_anon_delta per rank:", {k: [r["rss_anon_delta"] for r in v] for k, v in held.items()})
+    print(
+        "rss_anon_peak_delta per rank:", {k: [r["rss_anon_peak_delta"] for r in v] for k, v in held.items()}
+    )
