@@ -14,6 +14,19 @@ and `transformer/config.json` carries `quantization_config` (`quant_method: "mod
 `pipelines/cosmos/mixed_precision.py::_w8a16_linear` computes it: `F.linear(x, weight.to(x.dtype) *
 scale.to(x.dtype), bias)`. We do the same ops in the same order, so outputs match bit for bit.
 
+Restoring through diffusers, measured with diffusers 0.42.1 + nvidia-modelopt 0.47.0 + torch 2.13 (CPU): the
+package installs and imports, `mtq.quantize` + `mtq.compress` work, but `from_pretrained` on the saved
+folder fails three ways: `quantization_config` without `modelopt_config` -> TypeError "'list' object is not
+a mapping" in `NVIDIAModelOptConfig.get_config_from_quant_type` (ModelOpt's quant_cfg became a list); with
+no `quantization_config` -> accelerate's `set_module_tensor_to_device`: "QTensorWrapper.__new__() got an
+unexpected keyword argument 'requires_grad'"; with a `modelopt_config` -> ModelOpt's quant_linear
+`__setitem__` inside `create_quantized_param`: "self._dequantize is True and self.fake_quant is False".
+
+The step policy: diffusers' `_classify_cosmos3_linear` calls `self_attn.to_q/k/v/to_out` "generation" and
+`add_q/k/v_proj/to_add_out` "reasoner", but the transformer applies `to_*` to the UND (text) stream and
+`add_*` to GEN (see model/cosmos3.py). With every step W8A16 and the reasoner high-precision (what `a16`
+and the fidelity tests use) the two agree; in W8A8 steps they would not, and we follow the streams.
+
 Nothing here imports torch.distributed: a linear computes with whatever tensors the engine points it at.
 """
 
@@ -95,14 +108,12 @@ def w8a8_linear(
     rows = x.reshape(-1, x.shape[-1])
     x_scale = (rows.abs().amax().float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     xq = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    # weight.t() of a row-major [out, in] weight is the column-major right operand _scaled_mm wants.
     out = torch._scaled_mm(
-        xq,
-        weight.to(FP8).t(),
-        scale_a=x_scale.reshape(()),
-        scale_b=scale.float().reshape(()),
-        bias=None if bias is None else bias.to(x.dtype),
-        out_dtype=x.dtype,
+        xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=scale.float().reshape(()), out_dtype=x.dtype
     )
+    if bias is not None:
+        out = out + bias.to(x.dtype)  # added outside: _scaled_mm restricts the bias dtype per output dtype
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
