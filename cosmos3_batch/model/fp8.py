@@ -152,6 +152,12 @@ class Fp8Compute:
         else:
             self.high_precision = self.use_high_precision(step_index, num_steps)
 
+    @property
+    def base_high_precision(self) -> bool:
+        """Linears outside the decoder layers (proj_in, time embedder) have no step policy in the
+        reference (its mixed-precision wrapper skips them): they always run the checkpoint's native path."""
+        return self.mode == "a16" or not self.w8a8_available
+
     def use_high_precision(self, step_index: int, num_steps: int) -> bool:
         # The same rule as diffusers' Cosmos3MixedPrecisionConfig.use_high_precision.
         if num_steps == 1:
@@ -202,8 +208,11 @@ class _ScaleHolder(torch.nn.Module):
 class Fp8Linear(torch.nn.Module):
     """An `nn.Linear` whose weight is e4m3 plus one float32 scale; the engine may re-point both."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, compute: Fp8Compute):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, compute: Fp8Compute, in_layer: bool = True
+    ):
         super().__init__()
+        self.in_layer = in_layer  # decoder-layer linears follow the step policy; the others never do
         self.in_features, self.out_features = in_features, out_features
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8), requires_grad=False
@@ -214,7 +223,8 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight_quantizer._scale
-        if self.compute.high_precision:
+        compute = self.compute
+        if compute.high_precision if self.in_layer else compute.base_high_precision:
             self.compute.w8a16_calls += 1
             return w8a16_linear(x, self.weight, scale, self.bias)
         self.compute.w8a8_calls += 1
@@ -245,6 +255,7 @@ def install_fp8(model: torch.nn.Module, store: TensorStore, compute: Fp8Compute)
         parent_name, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
         with torch.device("meta"):
-            new = Fp8Linear(old.in_features, old.out_features, old.bias is not None, compute)
+            in_layer = name.startswith("layers.")
+            new = Fp8Linear(old.in_features, old.out_features, old.bias is not None, compute, in_layer)
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
     return len(names)

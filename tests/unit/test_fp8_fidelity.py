@@ -143,3 +143,56 @@ def test_a16_through_the_engine_single_process(tiny_ckpt, fp8_ckpt, requests_, t
         assert sidecar["weights"] == {"format": "fp8_e4m3", "fp8_compute": "w8a16", "fp8_mode": "a16"}
     (rank,) = json.loads((tmp_path / "o" / "summary.json").read_text())["ranks"]
     assert rank["weights"]["w8a8_calls"] == 0 and rank["weights"]["w8a16_calls"] > 0
+
+
+def _modelopt_checkpoint(src: Path, dst: Path) -> Path:
+    """The tiny model quantized by nvidia-modelopt itself (FP8_DEFAULT_CFG: proj_in too, with input
+    amaxes), saved with the ModelOpt tensor names: a checkpoint we did not write."""
+    import shutil
+
+    from diffusers import Cosmos3OmniTransformer
+    from safetensors.torch import save_file
+
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    shutil.copytree(src, dst)
+    model = Cosmos3OmniTransformer.from_pretrained(dst / "transformer", torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+
+    def calibrate(m: torch.nn.Module) -> None:
+        for module in m.modules():
+            if hasattr(module, "input_quantizer") and hasattr(module, "in_features"):
+                module(torch.randn(4, module.in_features, generator=g))
+
+    # As diffusers' ModelOpt quantizer does (use_keep_in_fp32_modules): the float32 modules stay unquantized.
+    # (Quantized, the reference itself breaks: it casts timesteps to its first parameter's dtype, e4m3.)
+    cfg = {**mtq.FP8_DEFAULT_CFG, "quant_cfg": [*mtq.FP8_DEFAULT_CFG["quant_cfg"]]}
+    cfg["quant_cfg"].append({"quantizer_name": "*time_embedder*", "enable": False})
+    mtq.compress(mtq.quantize(model, cfg, forward_loop=calibrate))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, _scale_file(dst))
+    path = dst / "transformer" / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_type": "FP8"}
+    path.write_text(json.dumps(config))
+    return dst
+
+
+def test_a16_on_a_checkpoint_modelopt_wrote(tiny_ckpt, requests_, tmp_path):
+    ckpt = _modelopt_checkpoint(tiny_ckpt, tmp_path / "modelopt")
+    requests = requests_[:2]
+    expected = reference_latents(tiny_ckpt, ckpt, requests)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ctx = load_context(ckpt, torch.device("cpu"), fp8_compute="a16")
+        outside = [n for n, m in ctx.split.transformer.named_modules() if isinstance(m, Fp8Linear)]
+        assert "proj_in" in outside and "layers.1.mlp_moe_gen.down_proj" in outside
+        results = {}
+        PassRunner(ctx, ResidentWeights(ctx.layers), 2, lambda j, r, e: results.__setitem__(j, (r, e))).run(
+            requests
+        )
+    finally:
+        torch.set_num_threads(threads)
+    for j, (result, error) in results.items():
+        assert error is None, error
+        assert torch.equal(result.latents, expected[j.request.id]), j.request.id

@@ -81,3 +81,14 @@ def test_quantize_equals_modelopt(dtype: torch.dtype) -> None:
         assert torch.equal(state[f"{i}.weight"].view(torch.uint8), q.view(torch.uint8)), i
         assert torch.equal(state[f"{i}.weight_quantizer._amax"], amax), i
         assert torch.equal(state[f"{i}.weight_quantizer._scale"], scale), i
+
+
+def test_checkpoint_policy_with_fp8_gemm_selects_per_step_and_stream() -> None:
+    """What `checkpoint` would run where W8A8 exists (forced here: the selection logic, not the GEMM)."""
+    compute = Fp8Compute(mode="checkpoint", first_steps=2, last_steps=1, w8a8_available=True)
+    gen = [compute.select(i, 6, gen=True) or compute.high_precision for i in range(6)]
+    assert gen == [True, True, False, False, False, True]
+    compute.select(3, 6, gen=False)
+    assert compute.high_precision  # the reasoner (UND) stream stays W8A16 by default
+    assert not compute.base_high_precision  # proj_in & co: the native W8A8 path, as in the reference
+    assert compute.policy_name.startswith("checkpoint")
