@@ -108,6 +108,9 @@ def plan_run(cfg: RunConfig) -> Plan:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     todo, complete = [], []
     identity = checkpoint.identity()
+    if checkpoint.config("transformer").get("quantization_config"):
+        # FP8: the compute policy decides the bytes too (W8A8 steps on GPUs), so it is part of the model.
+        identity = f"{identity}+fp8-{cfg.fp8_compute}"
     for r in requests:
         paths = outputs.paths_for(cfg.out, r.id, r.num_frames)
         key = output_key(r, identity, cfg.vae_tiling)

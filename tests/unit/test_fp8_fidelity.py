@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from cosmos3_batch.cli import app
 from cosmos3_batch.convert import convert_fp8
 from cosmos3_batch.model.fp8 import Fp8Linear
+from cosmos3_batch.model.loading import Checkpoint
 from cosmos3_batch.pipeline import job
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.runner import PassRunner
@@ -196,3 +197,18 @@ def test_a16_on_a_checkpoint_modelopt_wrote(tiny_ckpt, requests_, tmp_path):
     for j, (result, error) in results.items():
         assert error is None, error
         assert torch.equal(result.latents, expected[j.request.id]), j.request.id
+
+
+def test_resume_tells_fp8_compute_policies_apart(fp8_ckpt, tiny_ckpt, tmp_path, monkeypatch):
+    """A rerun skips outputs made with the same --fp8-compute and redoes those made with the other."""
+    from cosmos3_batch.config import make_config
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", ROWS[:1])
+    out = tmp_path / "o"
+    plans = {}
+    for compute in ("a16", "checkpoint"):
+        cfg = make_config("resident", None, prompts=prompts, out=out, model=fp8_ckpt, fp8_compute=compute)
+        plans[compute] = job.plan_run(cfg)
+    assert plans["a16"].model_identity != plans["checkpoint"].model_identity
+    cfg = make_config("resident", None, prompts=prompts, out=out, model=tiny_ckpt, fp8_compute="a16")
+    assert job.plan_run(cfg).model_identity == Checkpoint.open(tiny_ckpt).identity()  # unquantized: as before
