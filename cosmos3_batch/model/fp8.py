@@ -21,6 +21,9 @@ a mapping" in `NVIDIAModelOptConfig.get_config_from_quant_type` (ModelOpt's quan
 no `quantization_config` -> accelerate's `set_module_tensor_to_device`: "QTensorWrapper.__new__() got an
 unexpected keyword argument 'requires_grad'"; with a `modelopt_config` -> ModelOpt's quant_linear
 `__setitem__` inside `create_quantized_param`: "self._dequantize is True and self.fake_quant is False".
+With nvidia-modelopt 0.39.0 instead, diffusers' own `NVIDIAModelOptConfig(quant_type="FP8")` path runs and
+restores, but on CPU it leaves float32 (fake-quant) weights with only `_amax`: not the serialized e4m3
+format its mixed-precision code requires, so that reference cannot run either.
 
 The step policy: diffusers' `_classify_cosmos3_linear` calls `self_attn.to_q/k/v/to_out` "generation" and
 `add_q/k/v_proj/to_add_out` "reasoner", but the transformer applies `to_*` to the UND (text) stream and

@@ -92,3 +92,26 @@ def test_checkpoint_policy_with_fp8_gemm_selects_per_step_and_stream() -> None:
     assert compute.high_precision  # the reasoner (UND) stream stays W8A16 by default
     assert not compute.base_high_precision  # proj_in & co: the native W8A8 path, as in the reference
     assert compute.policy_name.startswith("checkpoint")
+
+
+def test_w8a8_math_and_dispatch_on_cpu() -> None:
+    """torch 2.13 has a CPU `_scaled_mm`: the W8A8 math (which runs only on FP8-GEMM GPUs) is checked here
+    against W8A16 (close, not equal: activations are e4m3 too), and Fp8Linear dispatches by the policy."""
+    from cosmos3_batch.model.fp8 import Fp8Linear, w8a8_linear
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 32, generator=g) * 0.05
+    q, _, scale = quantize_per_tensor(w)
+    bias = torch.randn(64, generator=g)
+    x = torch.randn(2, 5, 32, generator=g)
+    a16, a8 = w8a16_linear(x, q, scale, bias), w8a8_linear(x, q, scale, bias)
+    assert a8.shape == a16.shape == (2, 5, 64) and a8.dtype == torch.float32
+    assert 0 < (a8 - a16).abs().max() <= 0.1 * a16.abs().max()
+    compute = Fp8Compute(mode="checkpoint", first_steps=1, last_steps=1, w8a8_available=True)
+    linear = Fp8Linear(32, 64, True, compute)
+    linear.weight.data, linear.bias.data, linear.weight_quantizer._scale.data = q, bias, scale
+    compute.select(0, 4, gen=True)
+    assert torch.equal(linear(x), a16)
+    compute.select(2, 4, gen=True)
+    assert torch.equal(linear(x), a8)
+    assert (compute.w8a16_calls, compute.w8a8_calls) == (1, 1)
