@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from cosmos3_batch.prefill import PrefillRule
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -16,6 +18,7 @@ app = typer.Typer(
 )
 
 
+RULE = PrefillRule()  # the defaults of the prefill flags
 FREE_SHARE_HELP = (
     "Fetch the UND (text) halves for the whole world when this share of all slots is free with no "
     "prefilled request to take it (README: choosing the prefill rule)."
@@ -86,9 +89,17 @@ def run(
         ),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
-    prefill_free_share: Annotated[float, typer.Option(help=FREE_SHARE_HELP)] = 0.25,
-    prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = 2,
-    prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 3,
+    prefill_free_share: Annotated[float, typer.Option(help=FREE_SHARE_HELP)] = RULE.free_share,
+    prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = RULE.max_wait,
+    prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = RULE.lookahead,
+    batch_branches: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-branches/--no-batch-branches",
+            help="Apply each layer part to all of a rank's branches with their rows joined (default: on for "
+            "GPUs; off on CPU, where only one branch at a time is bit-exact with the reference).",
+        ),
+    ] = None,
     fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
@@ -115,6 +126,7 @@ def run(
             und_cache=und_cache,
             shard=shard,
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
+            batch_branches=batch_branches,
             fp8_compute=fp8_compute,
         )
         code, line = run_job(cfg)
@@ -151,9 +163,11 @@ def plan(
     ] = None,
     max_vision_tokens: Annotated[int, typer.Option(help="As `run --max-vision-tokens`.")] = 65536,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
-    prefill_free_share: Annotated[float, typer.Option(help="As `run --prefill-free-share`.")] = 0.25,
-    prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = 2,
-    prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = 3,
+    prefill_free_share: Annotated[
+        float, typer.Option(help="As `run --prefill-free-share`.")
+    ] = RULE.free_share,
+    prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = RULE.max_wait,
+    prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = RULE.lookahead,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
@@ -199,6 +213,12 @@ def make_tiny(
     force: Annotated[
         bool, typer.Option(help="Replace DIR even if it is a non-empty folder make-tiny did not write.")
     ] = False,
+    sound: Annotated[
+        bool, typer.Option("--sound", help="Add joint audio (a small sound tokenizer, sound_gen).")
+    ] = False,
+    action: Annotated[
+        bool, typer.Option("--action", help="Add action_gen (every embodiment domain of the reference).")
+    ] = False,
 ) -> None:
     """Write a small random-weight Cosmos3 checkpoint (diffusers layout) that loads offline.
     Exit 2 (and nothing changed) for bad flags or a DIR that holds something else."""
@@ -214,6 +234,8 @@ def make_tiny(
             intermediate=intermediate,
             dtype=dtype,
             vocab=vocab,
+            sound=sound,
+            action=action,
         )
         if not force:
             check_replaceable(dir)

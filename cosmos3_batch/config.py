@@ -34,9 +34,9 @@ class RunConfig:
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
     fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always
-    prefill: PrefillRule = field(
-        default_factory=PrefillRule
-    )  # when the world fetches the UND halves (DESIGN.md §4)
+    # When the world fetches the UND halves (DESIGN.md §4, prefill.py).
+    prefill: PrefillRule = field(default_factory=PrefillRule)
+    batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
 
     @property
     def tag(self) -> str:
@@ -71,7 +71,7 @@ def parse_offload(name: str) -> OffloadMode:
 
 
 def make_config(
-    offload: str, shard: str | None, prefill: tuple[float, int, int] = (0.25, 2, 3), **flags
+    offload: str, shard: str | None, prefill: tuple[float, int, int] | None = None, **flags
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
     `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead)."""
@@ -79,7 +79,7 @@ def make_config(
 
     try:
         parsed = None if shard is None else parse_shard(shard)
-        rule = PrefillRule(*prefill)
+        rule = PrefillRule() if prefill is None else PrefillRule(*prefill)
         return RunConfig(offload=parse_offload(offload), shard=parsed, prefill=rule, **flags)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -3,7 +3,7 @@
 Groups: the main one carries start/end bookkeeping; the gather group carries only layer AllGathers,
 issued by the engine's fetch worker (CPU) or comm stream (CUDA): keeping them apart means a gather in
 flight never interleaves with a main-group call on the same communicator. The exchange group carries the
-per-pass all-reduce of four integers on the host: gloo always (the main group itself under gloo), so the
+per-pass all-reduce of seven integers on the host: gloo always (the main group itself under gloo), so the
 pass loop never waits for the device to learn who is active.
 """
 

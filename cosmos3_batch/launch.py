@@ -23,7 +23,15 @@ def _stopped(name: str, code: int) -> None:
     sys.exit(code)
 
 
+# torchrun SIGKILLs its workers this long after forwarding a stop (its default is 30 s): enough for the
+# workers to write the outputs already decoded, metrics.csv and summary.json, even with 720p videos.
+SHUTDOWN_TIMEOUT_S = "600"
+
+
 def main(argv: list[str] | None = None) -> None:
+    import os
+
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun

@@ -24,7 +24,7 @@ from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
 from cosmos3_batch.pipeline.weights import LANE_SLOTS
 from cosmos3_batch.prefill import PrefillRule
 from cosmos3_batch.requests import Request
-from cosmos3_batch.schedule import assign, vision_tokens
+from cosmos3_batch.schedule import assign, gen_tokens
 from cosmos3_batch.simulator import PartBytes, SimRequest, Simulation, simulate
 
 GB = 1e9
@@ -161,18 +161,18 @@ def estimate(
     shards = sum(p.shard_bytes for p in shape.parts)
     slot = max(p.nbytes for p in shape.parts)
     per_node = max(1, world_size // nnodes)
-    # A typical pass: K copies of the median request (by vision tokens) on every rank.
-    typical = sorted(requests, key=vision_tokens)[len(requests) // 2] if requests else None
+    # A typical pass: K copies of the median request (by GEN tokens: vision + sound + action) on every rank.
+    typical = sorted(requests, key=gen_tokens)[len(requests) // 2] if requests else None
     branches = 1 if typical is None or typical.guidance_scale == 1.0 else 2
-    gen_tokens = vision_tokens(typical) if typical else 0
+    gen_len = gen_tokens(typical) if typical else 0
     und = int(statistics.median(und_tokens.values())) if und_tokens else 0
-    active = [(branches, und, gen_tokens)] * (max_active if typical else 0)
+    active = [(branches, und, gen_len)] * (max_active if typical else 0)
     # Requests prefilled ahead hold their UND K/V (no GEN stream yet) until a slot frees.
     ahead = [(branches, und, 0)] * (lookahead if typical else 0)
     activations = _activation_bytes(shape, active + ahead)
     h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
     sequences = branches * max_active if typical else 0
-    pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_tokens, und))
+    pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_len, und))
     host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
     device = shape.device_resident_bytes + shape.vae_bytes + activations
     lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
@@ -180,7 +180,7 @@ def estimate(
     device += layer_bytes if mode is OffloadMode.RESIDENT else slots
     device += shards if mode is OffloadMode.SHARDED else 0
     assignment = assign(requests, world_size)
-    token_steps_per_s = (branches * max_active * gen_tokens / pass_s) if pass_s > 0 else 0.0
+    token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
     busiest = max(assignment.costs, default=0.0)
     job_hours = busiest / token_steps_per_s / 3600 if token_steps_per_s else 0.0
     steps = typical.num_inference_steps if typical else 1
@@ -411,7 +411,7 @@ def plan_job(
         "predicted_idle_share": assignment.idle_share,
         "total_work": sum(assignment.costs),
     }
-    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in vision-token x steps x branches"]
+    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in GEN-token x steps x branches"]
     text.append(describe_schedule(assignment))
     shape = model_shape(checkpoint, nproc, torch.bfloat16) if checkpoint is not None else None
     sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)

@@ -26,7 +26,8 @@ MAX_SEED = 2**63 - 1
 ALLOWED_KEYS = (
     "id", "prompt", "negative_prompt", "size", "width", "height", "num_frames", "fps",
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
-    "extra_params",
+    "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
+    "action",
 )  # fmt: skip
 # The prompt templates default to on, as in the reference pipeline: the model was trained with them.
 EXTRA_PARAMS_DEFAULTS = {"use_resolution_template": True, "use_duration_template": True, "guardrails": False}
@@ -51,6 +52,11 @@ class ModelLimits:
     # Vision tokens of one request (latent frames x latent cells / patch^2), so that one request cannot
     # exhaust a GPU: 1280x720 at 189 frames is 44,160; the default leaves room for 1080p at 121 frames.
     max_vision_tokens: int = 65536
+    # What the checkpoint can generate besides vision (job.limits_for reads it from the checkpoint via
+    # `request_modes.checkpoint_modes`); None = not known here, so not checked.
+    sound: bool | None = None
+    action: bool | None = None  # action_gen
+    action_dim: int | None = None  # the widest action the checkpoint represents
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)
@@ -228,13 +234,16 @@ def _nearest(lower: int, upper: int, minimum: int, maximum: int) -> str:
     return " or ".join(choices) if choices else "none within the limits"
 
 
-def check_budget(out: LineErrors, limits: ModelLimits, width: int, height: int, num_frames: int) -> None:
+def check_budget(
+    out: LineErrors, limits: ModelLimits, width: int, height: int, num_frames: int, field: str | None = None
+) -> None:
+    """`field`: where to report (by default the frame count or size that made the request too big)."""
     latent_t = (num_frames - 1) // limits.temporal_factor + 1
     cells = -(-height // (limits.spatial_factor * 2)) * -(-width // (limits.spatial_factor * 2))
     tokens = latent_t * cells
     if tokens > limits.max_vision_tokens:
         out.add(
-            "num_frames" if num_frames > 1 else "size",
+            field or ("num_frames" if num_frames > 1 else "size"),
             f"{width}x{height} x {num_frames} frames is {tokens:,} vision tokens, over the per-request "
             f"bound of {limits.max_vision_tokens:,} (raise it with --max-vision-tokens if the GPUs allow)",
         )

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cosmos3_batch.request_actions import ActionSpec, check_action_request, has_action
 from cosmos3_batch.request_fields import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
@@ -34,6 +35,7 @@ from cosmos3_batch.request_fields import (
     check_size,
     describe,
 )
+from cosmos3_batch.request_modes import check_sound, check_system_prompt, check_video
 
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
 
@@ -58,22 +60,48 @@ class Request:
     image: str | None  # absolute path
     use_resolution_template: bool = True
     use_duration_template: bool = True
+    video: str | None = None  # absolute path: video-to-video
+    condition_frames: tuple[int, ...] | None = None  # latent frames kept clean (V2V only)
+    condition_video_keep: str | None = None  # "first" | "last" (V2V only)
+    system_prompt: bool | None = None  # None = the checkpoint's default_use_system_prompt
+    sound: bool = False  # joint audio: <id>.wav and an AAC track in <id>.mp4
+    action: ActionSpec | None = None  # forward/inverse dynamics, policy (conditioned on image or video)
 
     @property
     def kind(self) -> str:
+        if self.action is not None:
+            return f"{self.action.mode}+sound" if self.sound else self.action.mode
         if self.num_frames == 1:
             return "t2i"
-        return "i2v" if self.image is not None else "t2v"
+        base = "v2v" if self.video is not None else "i2v" if self.image is not None else "t2v"
+        return f"{base}+sound" if self.sound else base
 
     def resolved(self) -> dict[str, Any]:
-        """Every field but `line`: moving a request within its file must not change its record or hash."""
+        """Every field but `line`: moving a request within its file must not change its record or hash.
+
+        Mode fields left at their "not used" value are omitted, so a request that uses none of them records
+        and hashes exactly as before they existed (outputs of earlier runs stay complete on resume)."""
         fields = dataclasses.asdict(self)
         del fields["line"]
+        for key, unused in _MODE_FIELDS.items():
+            if fields[key] is unused:
+                del fields[key]
         return fields
 
     def content_hash(self) -> str:
         canonical = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+# Mode fields and the value that means "not used": such fields are left out of the resolved record.
+_MODE_FIELDS = {
+    "video": None,
+    "condition_frames": None,
+    "condition_video_keep": None,
+    "system_prompt": None,
+    "sound": False,
+    "action": None,
+}
 
 
 class RequestFileError(ValueError):
@@ -197,16 +225,27 @@ def _validate_object(
     check_keys(out, obj)
     request_id = check_id(out, obj, line)
     prompts = check_prompts(out, obj)
-    num_frames = check_frames(out, obj, limits)
+    if has_action(obj):  # size and frame count come from the action's tier and chunk size
+        media, num_frames = check_action_request(out, obj, base_dir, limits)
+    else:
+        num_frames = check_frames(out, obj, limits)
+        media = {
+            **check_size(out, obj, limits, num_frames),
+            "image": check_image(out, obj, base_dir, num_frames),
+            **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
+            "sound": check_sound(out, obj, limits, num_frames),
+        }
     values = {
         **prompts,
-        **check_size(out, obj, limits, num_frames),
+        **media,
         **check_numbers(out, obj, limits, num_frames),
-        "image": check_image(out, obj, base_dir, num_frames),
+        "system_prompt": check_system_prompt(out, obj),
         **check_extra_params(out, obj),
     }
     if not out.errors and num_frames is not None:
-        check_budget(out, limits, values["width"], values["height"], num_frames)
+        # An action request's size comes from its tier and chunk size: the budget names the action.
+        where = "action" if values.get("action") is not None else None
+        check_budget(out, limits, values["width"], values["height"], num_frames, where)
     if out.errors:
         return None, request_id, out.errors
     assert request_id is not None and num_frames is not None

@@ -15,6 +15,9 @@ from cosmos3_batch.requests import Request
 LATENT_PIXELS = 16  # VAE spatial compression
 PATCH = 2  # latent patch size of the transformer
 TEMPORAL = 4  # VAE temporal compression
+# Sound latents per second of video: the released tokenizer's 48 kHz over a hop of 1920 samples (the tiny
+# model keeps both). A checkpoint with another hop changes the count a little, never the assignment's shape.
+SOUND_RATE, SOUND_HOP = 48000, 1920
 
 
 def vision_tokens(r: Request) -> int:
@@ -23,10 +26,27 @@ def vision_tokens(r: Request) -> int:
     return latent_t * cells
 
 
+def sound_tokens(r: Request) -> int:
+    if not getattr(r, "sound", False):
+        return 0
+    samples = int(r.num_frames / r.fps * SOUND_RATE)
+    return (samples + SOUND_HOP - 1) // SOUND_HOP
+
+
+def action_tokens(r: Request) -> int:
+    action = getattr(r, "action", None)
+    return action.chunk_size if action is not None else 0
+
+
+def gen_tokens(r: Request) -> int:
+    """Tokens of the GEN stream: vision, then the sound and action tokens that ride with them."""
+    return vision_tokens(r) + sound_tokens(r) + action_tokens(r)
+
+
 def predicted_cost(r: Request) -> float:
     """Work in token-steps: GEN tokens x steps x branches (the GEN stream dominates every pass)."""
     branches = 1 if r.guidance_scale == 1.0 else 2
-    return float(vision_tokens(r) * r.num_inference_steps * branches)
+    return float(gen_tokens(r) * r.num_inference_steps * branches)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ fi
 source "$VENV/bin/activate"
 stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-${1:-run}"
 if [ ! -f "$stamp" ]; then
-  say "installing torch 2.13.0 (CPU build; first time ~30 s)"
+  say "installing torch 2.13.0 (first time: ~30 s from a local wheel, minutes from the registry)"
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"
   say "installing cosmos3_batch and its packages (diffusers, transformers, imageio-ffmpeg, ...${2:+ and dev tools})"
   python -m pip install -q --disable-pip-version-check -e "$ROOT${2:-}"

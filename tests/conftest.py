@@ -20,6 +20,12 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_av_ckpt(tmp_path_factory) -> Path:
+    """The tiny model with joint sound and action generation (`make-tiny --sound --action`)."""
+    return write_tiny(tmp_path_factory.mktemp("ckpt-av") / "tiny-av", TinySpec(sound=True, action=True))
+
+
+@pytest.fixture(scope="session")
 def cond_image(tmp_path_factory) -> Path:
     # Not the output size on purpose: the pipeline resizes and centre-crops it.
     path = tmp_path_factory.mktemp("img") / "cond.png"

@@ -8,11 +8,11 @@ Every column is documented in the README ("Outputs").
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fcntl
 import io
 import os
-import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,11 +48,19 @@ PART_GLOB = "metrics.*rank*.csv"
 
 
 def state_dir(out_dir: Path) -> Path:
-    """OUT/.cosmos3_batch, created on first use. A symlink planted there is replaced, never followed."""
+    """OUT/.cosmos3_batch, created on first use (by rank 0 before the ranks meet: job.py). Anything else
+    planted at that name (a symlink, a file) is replaced, never followed. Part files that versions before
+    the folder existed left in OUT itself move in, so their rows stay in metrics.csv."""
     path = out_dir / STATE_DIR
+    # Array tasks sharing OUT may do this at the same moment: each step tolerates the other's.
     if path.is_symlink() or (path.exists() and not path.is_dir()):
-        path.unlink() if path.is_symlink() or path.is_file() else shutil.rmtree(path)
+        path.unlink(missing_ok=True)
     path.mkdir(exist_ok=True)
+    for old in out_dir.glob(".metrics.*rank*.csv"):
+        if old.is_file() and not old.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                old.replace(path / old.name.removeprefix("."))
+    (out_dir / ".metrics.lock").unlink(missing_ok=True)
     return path
 
 
@@ -64,7 +72,7 @@ def iso_time(seconds: float) -> str:
 class MetricsWriter:
     def __init__(self, out_dir: Path, rank: int, tag: str = ""):
         # One part file per writer: ranks, and array tasks sharing --out, never append to the same file.
-        self.path = state_dir(out_dir) / f"metrics.{tag + '-' if tag else ''}rank{rank}.csv"
+        self.path = out_dir / STATE_DIR / f"metrics.{tag + '-' if tag else ''}rank{rank}.csv"
         # Our own hidden file: a symlink planted at its name is replaced, never appended through.
         if self.path.is_symlink():
             self.path.unlink()
@@ -101,7 +109,7 @@ def merge_metrics(out_dir: Path) -> tuple[Path, list[dict]]:
 
     Array tasks sharing --out may finish together: the lock makes each read-merge-rename see the
     others' finished merges, so the last one writes the full union."""
-    with open(state_dir(out_dir) / "metrics.lock", "w") as lock:
+    with open(out_dir / STATE_DIR / "metrics.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _merge_locked(out_dir)
 
@@ -145,7 +153,6 @@ def write_passes(out_dir: Path, rank: int, tag: str, columns: tuple[str, ...], r
     writer = csv.writer(buffer)
     writer.writerow(columns)
     writer.writerows([_cell(v) for v in row] for row in rows)
-    state_dir(out_dir)
     path = passes_path(out_dir, rank, tag)
     atomic_write(path, lambda tmp: tmp.write_text(buffer.getvalue()))
     return path

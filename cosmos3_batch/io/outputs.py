@@ -1,4 +1,4 @@
-"""Output files: PNG / MP4 / latents / JSON sidecar, each written to a temporary name and renamed.
+"""Output files: PNG / MP4 (+ AAC) / WAV / latents / JSON sidecar, each written to a temporary name, renamed.
 
 A request is complete when its sidecar exists: the sidecar is written last and records the size of
 every other file, so a crash between files never leaves something that looks finished.
@@ -22,17 +22,78 @@ class OutputPaths:
     media: Path
     sidecar: Path
     latents: Path
+    wav: Path  # joint audio (sound requests)
+    actions: Path  # predicted actions (inverse dynamics, policy): safetensors, key `actions`
+    actions_json: Path  # the same, readable
+
+    def by_key(self) -> dict[str, Path]:
+        """The sidecar's `files` keys and the one file name each may name."""
+        keys = ("media", "latents", "wav", "actions", "actions_json")
+        return {key: getattr(self, key) for key in keys}
 
 
 def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
     """File names carry the request id; the id was validated, and we still refuse anything that escapes."""
     root = out_dir.resolve()
     media = root / f"{request_id}.{'png' if num_frames == 1 else 'mp4'}"
-    paths = OutputPaths(media, root / f"{request_id}.json", root / f"{request_id}.latents.safetensors")
-    for path in (paths.media, paths.sidecar, paths.latents):
+    paths = OutputPaths(
+        media,
+        root / f"{request_id}.json",
+        root / f"{request_id}.latents.safetensors",
+        root / f"{request_id}.wav",
+        root / f"{request_id}.actions.safetensors",
+        root / f"{request_id}.actions.json",
+    )
+    for path in (paths.sidecar, *paths.by_key().values()):
         if path.parent != root:
             raise ValueError(f"request id {request_id!r} would write outside {root}")
     return paths
+
+
+def media_facts(result) -> dict:
+    """What the sidecar says about the audio and the predicted actions beyond the file list."""
+    facts = {}
+    if getattr(result, "sound", None) is not None:
+        channels, samples = result.sound.shape
+        audio = {"sample_rate": result.sample_rate, "channels": channels, "samples": samples}
+        facts["sound"] = {**audio, "wav_format": "pcm_s16le", "mp4_codec": "aac"}
+    if getattr(result, "actions", None) is not None:
+        facts["actions"] = {"shape": list(result.actions.shape), "dtype": "float32"}
+    return facts
+
+
+def mode_files(request) -> tuple[str, ...]:
+    """Sidecar `files` keys a complete output of this request must list besides its media."""
+    files = ("wav",) if getattr(request, "sound", False) else ()
+    action = getattr(request, "action", None)
+    if action is not None and action.mode in PREDICTS_ACTIONS:
+        files += ("actions", "actions_json")
+    return files
+
+
+PREDICTS_ACTIONS = ("inverse_dynamics", "policy")  # forward dynamics is given its actions
+
+
+def write_actions(paths: OutputPaths, actions, request) -> dict[str, dict]:
+    """`<id>.actions.safetensors` (the reference's tensor) and `<id>.actions.json`; their `files` entries."""
+    from safetensors.torch import save_file
+
+    spec = request.action
+    size = atomic_write(paths.actions, lambda tmp: save_file({"actions": actions.contiguous()}, str(tmp)))
+    readable = {
+        "id": request.id,
+        "mode": spec.mode,
+        "domain": spec.domain,
+        "chunk_size": spec.chunk_size,
+        "shape": list(actions.shape),
+        # float32 values printed as the shortest decimals that read back to the same float32
+        "actions": [[float(str(np.float32(x))) for x in row] for row in actions.tolist()],
+    }
+    json_size = write_json(paths.actions_json, readable)
+    return {
+        "actions": {"name": paths.actions.name, "bytes": size},
+        "actions_json": {"name": paths.actions_json.name, "bytes": json_size},
+    }
 
 
 def check_writable(out_dir: Path) -> None:
@@ -53,6 +114,8 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp\.[^.]+$")
+# What follows the id in a temporary's stem: `<id>.latents.safetensors`, the silent video a mux starts from.
+_STEM_SUFFIXES = (".latents", ".silent", ".actions")
 
 
 def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
@@ -61,7 +124,10 @@ def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
     removed = 0
     for path in out_dir.glob(".*.tmp.*"):
         match = _TEMPORARY.match(path.name)
-        if match and match["stem"].removesuffix(".latents") in ids:
+        stem = match["stem"] if match else ""
+        for suffix in _STEM_SUFFIXES:
+            stem = stem.removesuffix(suffix)
+        if match and stem in ids:
             path.unlink(missing_ok=True)
             removed += 1
     return removed
@@ -110,33 +176,63 @@ def write_png(path: Path, frame: np.ndarray) -> int:
     return atomic_write(path, lambda tmp: Image.fromarray(frame).save(tmp, format="PNG"))
 
 
-def write_mp4(path: Path, frames: np.ndarray, fps: float) -> int:
-    import imageio.v2 as imageio
+def write_mp4(path: Path, frames: np.ndarray, fps: float, audio: tuple | None = None) -> int:
+    """H.264 MP4; with `audio` = (waveform [channels, samples], sample rate), also an AAC track as long as
+    the video."""
+    if audio is None:
+        return atomic_write(path, lambda tmp: _write_h264(tmp, frames, fps))
 
     def write(tmp: Path) -> None:
-        writer = imageio.get_writer(
-            tmp,
-            format="FFMPEG",
-            fps=fps,
-            codec="libx264",
-            pixelformat="yuv420p",
-            quality=8,
-            macro_block_size=16,
-            ffmpeg_log_level="error",
+        from cosmos3_batch.io.audio import mux_audio
+
+        fd, name = tempfile.mkstemp(
+            prefix=f".{path.stem}.silent.{os.getpid()}.", suffix=".tmp.mp4", dir=path.parent
         )
+        os.close(fd)
+        silent = Path(name)
         try:
-            for frame in frames:
-                writer.append_data(frame)
+            _write_h264(silent, frames, fps)
+            mux_audio(silent, tmp, audio[0], audio[1], duration_s=len(frames) / fps)
         finally:
-            writer.close()
+            silent.unlink(missing_ok=True)
 
     return atomic_write(path, write)
 
 
-def write_latents(path: Path, latents) -> int:
+def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
+    import imageio.v2 as imageio
+
+    writer = imageio.get_writer(
+        tmp,
+        format="FFMPEG",
+        fps=fps,
+        codec="libx264",
+        pixelformat="yuv420p",
+        quality=8,
+        macro_block_size=16,
+        ffmpeg_log_level="error",
+    )
+    try:
+        for frame in frames:
+            writer.append_data(frame)
+    finally:
+        writer.close()
+
+
+def write_wav(path: Path, waveform, sample_rate: int) -> int:
+    from cosmos3_batch.io.audio import write_wav_file
+
+    return atomic_write(path, lambda tmp: write_wav_file(tmp, waveform, sample_rate))
+
+
+def write_latents(path: Path, latents, sound=None) -> int:
+    """`latents` [1, C, T, H, W]; with joint audio also `sound`: the waveform as the reference returns it."""
     from safetensors.torch import save_file
 
-    return atomic_write(path, lambda tmp: save_file({"latents": latents.contiguous()}, str(tmp)))
+    tensors = {"latents": latents.contiguous()}
+    if sound is not None:
+        tensors["sound"] = sound.contiguous()
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def write_json(path: Path, data: dict) -> int:
@@ -145,7 +241,7 @@ def write_json(path: Path, data: dict) -> int:
 
 
 def is_complete(
-    paths: OutputPaths, content_hash: str, output_key: str, need_latents: bool
+    paths: OutputPaths, content_hash: str, output_key: str, need_latents: bool, required: tuple[str, ...] = ()
 ) -> tuple[bool, str]:
     """(complete, why not). Complete = the sidecar says so, for this request, model and decode settings,
     with every file it lists present at its recorded size (and latents when they are asked for)."""
@@ -162,11 +258,14 @@ def is_complete(
     files = sidecar.get("files")
     # Only our own file names count, each inside --out with the size the sidecar recorded; anything
     # else (no media entry, a path, a malformed entry) means "not complete", never a crash.
-    expected = {"media": paths.media.name, "latents": paths.latents.name}
+    expected = {key: path.name for key, path in paths.by_key().items()}
     if not isinstance(files, dict) or "media" not in files:
         return False, "sidecar lists no media file"
     if need_latents and "latents" not in files:
         return False, "latents were not saved"
+    for key in required:
+        if key not in files:
+            return False, f"sidecar lists no {key} file"
     for key, entry in files.items():
         if not isinstance(entry, dict) or entry.get("name") != expected.get(key):
             return False, f"sidecar entry {key!r} is not one of this request's files"

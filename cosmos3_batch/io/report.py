@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
@@ -21,6 +22,9 @@ from cosmos3_batch.io.metrics import STATE_DIR
 from cosmos3_batch.io.outputs import atomic_write
 
 PAGE_SIZE = 300
+# summary.json, or summary.shard3of8.json with --shard: a request's own sidecar never matches (an id of
+# "summary" is refused at validation, so no sidecar is ever named summary.json).
+SUMMARY_NAME = re.compile(r"^summary(\.shard\d+of\d+)?\.json$")
 THUMB_PX = 192  # longest side
 REPORT_DIR = "report"
 
@@ -43,7 +47,7 @@ def write_report(out: Path, page_size: int = PAGE_SIZE, progress: bool = True) -
     """Write the report pages; returns OUT/report.html. ValueError if OUT holds no run."""
     if page_size < 1:
         raise ValueError(f"--page-size must be >= 1, got {page_size}")
-    summaries = sorted(out.glob("summary*.json"))
+    summaries = sorted(p for p in out.glob("summary*.json") if SUMMARY_NAME.match(p.name))
     if not summaries and not (out / "metrics.csv").exists():
         raise ValueError(f"{out}: no summary.json or metrics.csv here (is it a run's --out folder?)")
     entries = collect(out, summaries)
@@ -73,7 +77,7 @@ def collect(out: Path, summaries: list[Path]) -> list[Entry]:
     rows = _metrics_rows(out)
     entries: dict[str, Entry] = {}
     for path in out.glob("*.json"):
-        if path.name.startswith("summary"):
+        if SUMMARY_NAME.match(path.name):
             continue
         try:
             sidecar = json.loads(path.read_text())
@@ -83,6 +87,9 @@ def collect(out: Path, summaries: list[Path]) -> list[Entry]:
             continue
         request = sidecar.get("request") or {}
         media = (sidecar.get("files") or {}).get("media") or {}
+        name = str(media.get("name", ""))
+        # Only a plain file name of a file that is there: a sidecar never makes the page link elsewhere.
+        name = name if name and Path(name).name == name and (out / name).is_file() else ""
         entries[sidecar["id"]] = Entry(
             id=str(sidecar["id"]),
             status="ok",
@@ -91,7 +98,7 @@ def collect(out: Path, summaries: list[Path]) -> list[Entry]:
             seed=str(sidecar.get("seed", "")),
             steps=str(request.get("num_inference_steps", "")),
             guidance=str(request.get("guidance_scale", "")),
-            media=str(media.get("name", "")),
+            media=name,
         )
     prompts = _prompts(summaries)
     for rid, row in rows.items():
@@ -141,9 +148,9 @@ def make_thumbnail(out: Path, media: str, thumbs: Path) -> str:
 
     source = out / media
     dest = thumbs / f"{Path(media).stem}.jpg"
-    if dest.exists() and dest.stat().st_mtime >= source.stat().st_mtime:
-        return str(dest.relative_to(out))
     try:
+        if dest.exists() and dest.stat().st_mtime >= source.stat().st_mtime:
+            return str(dest.relative_to(out))
         if source.suffix == ".mp4":
             import imageio.v3 as iio
 
@@ -164,7 +171,9 @@ def run_figures(out: Path, summaries: list[Path]) -> str:
         tag = path.stem.removeprefix("summary").lstrip(".")
         ranks = summary.get("ranks", [])
         max_active = int(summary.get("config", {}).get("max_active", 1))
-        timelines = {f"rank {r['rank']}": _passes(out, r["rank"], tag) for r in ranks}
+        # The pass files, also when the summary has no rank reports (a rerun with nothing left to do).
+        rank_ids = [r["rank"] for r in ranks] or _timeline_ranks(out, tag)
+        timelines = {f"rank {k}": _passes(out, k, tag) for k in rank_ids}
         occupancy = {
             name: sum(p.active for p in passes) / (len(passes) * max_active)
             for name, passes in timelines.items()
@@ -176,7 +185,7 @@ def run_figures(out: Path, summaries: list[Path]) -> str:
             f"rank {r['rank']}": (r.get("h2d_bytes", 0) + r.get("gathered_bytes", 0)) / 1e6 / outputs
             for r in ranks
         }
-        title = f"Run {escape(tag) if tag else ''} ({summary.get('started_at', '')})".replace("  ", " ")
+        title = escape(f"Run {tag} ({summary.get('started_at', '')})".replace("  ", " "))
         sections.append(
             f"<section><h2>{title}</h2>{_facts(summary)}"
             + figures.timeline(timelines, max_active)
@@ -186,6 +195,14 @@ def run_figures(out: Path, summaries: list[Path]) -> str:
             + "</section>"
         )
     return "".join(sections)
+
+
+def _timeline_ranks(out: Path, tag: str) -> list[int]:
+    prefix = f"passes.{tag + '-' if tag else ''}rank"
+    found = (
+        p.name.removeprefix(prefix).removesuffix(".csv") for p in (out / STATE_DIR).glob(f"{prefix}*.csv")
+    )
+    return sorted(int(k) for k in found if k.isdigit())
 
 
 def _passes(out: Path, rank: int, tag: str) -> list[figures.Pass]:

@@ -75,13 +75,9 @@ class Cosmos3Split:
         self.transformer = transformer
         self.config = transformer.config
         self.num_layers = self.config.num_hidden_layers
-        # FP8 checkpoints (model/fp8.py): which math the linears run, chosen per sequence; None otherwise.
+        # FP8 checkpoints (model/fp8.py): which math the linears run, chosen per request by the caller
+        # (pipeline/apply.py), since requests sharing a pass may be at different steps; None otherwise.
         self.fp8 = getattr(transformer, "fp8_compute", None)
-
-    def select_precision(self, step_index: int, num_steps: int, gen: bool) -> None:
-        """Before a sequence's layer half: sequences sharing a pass may be at different steps."""
-        if self.fp8 is not None:
-            self.fp8.select(step_index, num_steps, gen)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,11 +172,26 @@ class Cosmos3Split:
         original_shapes: list[tuple[int, int, int]],
     ) -> torch.Tensor:
         """Final GEN norm, proj_out and unpatchify: the branch's velocity prediction [1, C, T, H, W]."""
-        t = self.transformer
-        hidden = t.norm_moe_gen(seq.gen_hidden)
+        return self.vision_head(self.final_norm(seq), seq, token_shapes, noisy_frame_indexes, original_shapes)
+
+    def final_norm(self, seq: BranchSeq) -> torch.Tensor:
+        """The GEN stream after the final norm; frees the branch's hidden state. Sound and action heads
+        (model/modes.py) read their rows of it too."""
+        hidden = self.transformer.norm_moe_gen(seq.gen_hidden)
         seq.gen_hidden = None
+        return hidden
+
+    def vision_head(
+        self,
+        normed: torch.Tensor,
+        seq: BranchSeq,
+        token_shapes: list[tuple[int, int, int]],
+        noisy_frame_indexes: list[torch.Tensor],
+        original_shapes: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        t = self.transformer
         preds = t._unpatchify_and_unpack_latents(
-            t.proj_out(hidden[seq.mse_rows]),
+            t.proj_out(normed[seq.mse_rows]),
             token_shapes_vision=token_shapes,
             noisy_frame_indexes_vision=noisy_frame_indexes,
             original_latent_shapes=original_shapes,

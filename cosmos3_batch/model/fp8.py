@@ -148,12 +148,15 @@ class Fp8Compute:
 
     def select(self, step_index: int, num_steps: int, gen: bool) -> None:
         """Called before each sequence's layer half: sequences of one pass may be at different steps."""
+        self.high_precision = self.wants_high_precision(step_index, num_steps, gen)
+
+    def wants_high_precision(self, step_index: int, num_steps: int, gen: bool) -> bool:
+        """W8A16 for this sequence's GEN (`gen`) or UND half at this step? (Selects nothing.)"""
         if self.mode == "a16" or not self.w8a8_available:
-            self.high_precision = True
-        elif not gen:
-            self.high_precision = self.reasoner_a16
-        else:
-            self.high_precision = self.use_high_precision(step_index, num_steps)
+            return True
+        if not gen:
+            return self.reasoner_a16
+        return self.use_high_precision(step_index, num_steps)
 
     @property
     def base_high_precision(self) -> bool:

@@ -162,7 +162,18 @@ def load_transformer(
     for name, child in model.named_children():
         if name not in ("embed_tokens", "layers") or (name == "layers" and with_layers):
             child.to(device)
+    _place_own_parameters(model, tensors, where, device)
     return model
+
+
+def _place_own_parameters(model: torch.nn.Module, tensors: dict, where: str, device: torch.device) -> None:
+    """Parameters the transformer holds itself rather than in a child module (the sound/action modality
+    embeds): the per-child loading above does not see them."""
+    for name, param in list(model.named_parameters(recurse=False)):
+        if name not in tensors:
+            raise CheckpointError(f"{where}: tensors missing from the checkpoint: {name}")
+        value = tensors[name].to(device=device, dtype=param.dtype)
+        setattr(model, name, torch.nn.Parameter(value, requires_grad=False))
 
 
 def validate_checkpoint(ckpt: Checkpoint) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class TinySpec:
     # Rows of the embedding table (and LM head); None = the tokenizer's size. Rows past the tokenizer's are
     # padding that no prompt ever reads: a large-vocabulary model (Nano: 1.2 GB of table) for memory tests.
     vocab: int | None = None
+    sound: bool = False  # joint audio: a small Cosmos3AVAEAudioTokenizer and a transformer with sound_gen
+    action: bool = False  # action_gen: domain-aware action projections for every embodiment domain
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "latent_channels", "vae_dim"):
@@ -81,17 +84,27 @@ class TinySpec:
         if self.vocab is not None and self.vocab < (have := len(build_tokenizer())):
             raise ValueError(f"--vocab must be at least the tokenizer's {have} tokens, got {self.vocab}")
 
-    def as_dict(self) -> dict:
-        """The spec as written to tiny_spec.json and hashed into the default model's folder name: `vocab`
-        only when set, so the default model's files and folder are what they were before it existed."""
-        out = asdict(self)
-        if out["vocab"] is None:
-            del out["vocab"]
-        return out
-
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+# The mode flags enter the spec's record only when set, so the embedded default (no flags) keeps the bytes
+# and the cache folder name it had before they existed.
+_MODE_FLAGS = ("sound", "action")
+SOUND_DIM = 8  # latent channels of the tiny sound tokenizer (the released model: 64)
+
+
+def spec_record(spec: TinySpec) -> dict:
+    """The spec as written to tiny_spec.json and hashed into the default model's folder name: options
+    only when set (sound, action, vocab), so the default model's files and folder stay what they were."""
+    record = asdict(spec)
+    for flag in _MODE_FLAGS:
+        if not record[flag]:
+            del record[flag]
+    if record["vocab"] is None:
+        del record["vocab"]
+    return record
 
 
 def _rope_axes(head_dim: int) -> list[int]:
@@ -116,6 +129,29 @@ def transformer_config(spec: TinySpec, vocab_size: int) -> dict:
         "hidden_act": "silu",
         "rope_axes_dim": _rope_axes(spec.head_dim),
         "rope_theta": 5000000.0,
+        **({"sound_gen": True, "sound_dim": SOUND_DIM, "sound_latent_fps": 25.0} if spec.sound else {}),
+        **({"action_gen": True, "action_dim": action_dim()} if spec.action else {}),
+    }
+
+
+def action_dim() -> int:
+    """Wide enough for every embodiment whose width the reference knows (hand_pose: 57)."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _EMBODIMENT_TO_RAW_ACTION_DIM
+
+    return max(_EMBODIMENT_TO_RAW_ACTION_DIM.values())
+
+
+def sound_tokenizer_config() -> dict:
+    # The released tokenizer's rate (48 kHz stereo) and hop (2*4*5*6*8 = 1920 samples, 25 latents per second),
+    # with a few channels instead of hundreds and no encoder (generation only decodes).
+    return {
+        "sampling_rate": 48000,
+        "vocoder_input_dim": SOUND_DIM,
+        "dec_dim": 4,
+        "dec_c_mults": [1, 2, 2, 2, 2],
+        "dec_strides": [2, 4, 5, 6, 8],
+        "dec_out_channels": 2,
+        "encoder_enabled": False,
     }
 
 
@@ -196,12 +232,15 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
             vocab = len(tokenizer) if spec.vocab is None else spec.vocab
             transformer = Cosmos3OmniTransformer(**transformer_config(spec, vocab_size=vocab))
             vae = AutoencoderKLWan(**vae_config(spec, generator))
+            if spec.sound:
+                _write_sound_tokenizer(tmp / "sound_tokenizer", spec.seed)
         finally:
             torch.random.set_rng_state(torch_state)
         # Random init gives norm weights of exactly 1; perturb them so that a wrong norm is caught by tests.
         with torch.no_grad():
             for name, param in transformer.named_parameters():
-                if name.endswith("norm.weight") or "layernorm" in name or "norm_" in name:
+                # The sound/action modality embeds start at zero too: a missing add would go unnoticed.
+                if name.endswith(("norm.weight", "modality_embed")) or "layernorm" in name or "norm_" in name:
                     param.add_(0.1 * torch.randn(param.shape, generator=generator))
         for name, child in transformer.named_children():
             if name != "time_embedder":  # diffusers keeps it in float32 (`_keep_in_fp32_modules`)
@@ -210,22 +249,8 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
         UniPCMultistepScheduler(**scheduler_config(spec)).save_pretrained(tmp / "scheduler")
 
-        model_index = {
-            "_class_name": "Cosmos3OmniPipeline",
-            "_diffusers_version": _diffusers_version(),
-            "transformer": ["diffusers", "Cosmos3OmniTransformer"],
-            "vae": ["diffusers", "AutoencoderKLWan"],
-            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-            "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-            "sound_tokenizer": [None, None],
-            "safety_checker": [None, None],
-            # The tiny model has no guardrail models (guardrail requests are rejected up front anyway).
-            "enable_safety_checker": False,
-            "default_use_system_prompt": True,
-            "use_native_flow_schedule": False,
-        }
-        (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
-        (tmp / "tiny_spec.json").write_text(json.dumps(spec.as_dict(), indent=2) + "\n")
+        (tmp / "model_index.json").write_text(json.dumps(model_index(spec), indent=2) + "\n")
+        (tmp / "tiny_spec.json").write_text(json.dumps(spec_record(spec), indent=2) + "\n")
         (tmp / MARKER).write_text(
             "This folder was written by `cosmos3-batch make-tiny`; it may replace it.\n"
         )
@@ -242,6 +267,33 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def model_index(spec: TinySpec) -> dict:
+    return {
+        "_class_name": "Cosmos3OmniPipeline",
+        "_diffusers_version": _diffusers_version(),
+        "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"] if spec.sound else [None, None],
+        "safety_checker": [None, None],
+        # The tiny model has no guardrail models (guardrail requests are rejected up front anyway).
+        "enable_safety_checker": False,
+        "default_use_system_prompt": True,
+        "use_native_flow_schedule": False,
+    }
+
+
+def _write_sound_tokenizer(folder: Path, seed: int) -> None:
+    from diffusers import Cosmos3AVAEAudioTokenizer
+
+    torch.manual_seed(seed + 1)
+    with warnings.catch_warnings():  # the decoder's weight_norm is torch's deprecated (but exact) one
+        warnings.simplefilter("ignore", FutureWarning)
+        tokenizer = Cosmos3AVAEAudioTokenizer(**sound_tokenizer_config())
+    tokenizer.save_pretrained(folder, safe_serialization=True)
 
 
 def _umask() -> int:
@@ -263,7 +315,7 @@ def default_tiny_dir() -> Path:
     import diffusers
 
     root = Path(os.environ.get("COSMOS3_BATCH_CACHE", Path.home() / ".cache" / "cosmos3_batch"))
-    key = json.dumps([TinySpec().as_dict(), torch.__version__, diffusers.__version__], sort_keys=True)
+    key = json.dumps([spec_record(TinySpec()), torch.__version__, diffusers.__version__], sort_keys=True)
     return root / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

@@ -11,6 +11,7 @@ import torch
 
 from cosmos3_batch.model.cosmos3 import Cosmos3Split
 from cosmos3_batch.model.loading import Checkpoint, load_transformer, load_vae
+from cosmos3_batch.model.sound import load_sound_tokenizer
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ModelContext:
     scheduler_config: dict
     device: torch.device
     use_native_flow_schedule: bool
+    sound_tokenizer: torch.nn.Module | None = None  # joint audio; None when the checkpoint has none
     # The Wan VAE keeps its per-call feature caches as attributes of the module object. Decodes (finisher
     # thread) use `vae`; encodes at admission (the loop) use `encode_helper`, whose VAE is a shallow copy:
     # the same weights, its own cache attributes, so an I2V admission never waits behind a decode.
@@ -51,7 +53,7 @@ def load_tokenizer(checkpoint: Checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint.root / "text_tokenizer")
 
 
-def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None):
+def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None, sound_tokenizer=None):
     """A `Cosmos3OmniPipeline` used only for its helpers (templating, packing, latent prep).
 
     Without modules it is built over meta-device ones from the configs: enough to tokenize and
@@ -75,6 +77,7 @@ def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None):
         enable_safety_checker=False,  # guardrail requests are rejected up front (no safety models offline)
         default_use_system_prompt=index.get("default_use_system_prompt", True),
         use_native_flow_schedule=index.get("use_native_flow_schedule", False),
+        sound_tokenizer=sound_tokenizer,  # read by prepare_latents for sound+action requests
     )
     helper.set_progress_bar_config(disable=True)
     return helper
@@ -94,11 +97,13 @@ def load_context(
     if vae_tiling:
         vae.enable_tiling()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(checkpoint)
+    sound_tokenizer = load_sound_tokenizer(checkpoint, device)
     return ModelContext(
         split=Cosmos3Split(transformer),
         vae=vae,
-        helper=build_helper(checkpoint, tokenizer, transformer, vae),
+        helper=build_helper(checkpoint, tokenizer, transformer, vae, sound_tokenizer),
         scheduler_config=dict(checkpoint.config("scheduler")),
         device=device,
         use_native_flow_schedule=bool(checkpoint.model_index.get("use_native_flow_schedule", False)),
+        sound_tokenizer=sound_tokenizer,
     )

@@ -15,7 +15,9 @@ import torch
 from PIL import Image
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
+from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
 from cosmos3_batch.pipeline.context import ModelContext
+from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
     from cosmos3_batch.requests import Request
@@ -39,17 +41,25 @@ class VisionLayout:
 class Result:
     latents: torch.Tensor  # [1, C, T, H, W] float32: what the reference returns with output_type="latent"
     frames: np.ndarray  # [T, H, W, 3] float32 in [0, 1]: the reference's output_type="np"
+    sound: torch.Tensor | None = None  # [channels, samples] float32 in [-1, 1]: the reference's `.sound`
+    sample_rate: int | None = None  # of `sound`
+    actions: torch.Tensor | None = None  # [T, D] float32: the reference's `.action[0]` (inverse dyn., policy)
 
 
 def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
     """(cond, uncond) token ids, templated exactly as the reference pipeline does for this request."""
+    action = {}
+    if r.action is not None:  # the reference turns an action prompt into its structured JSON caption
+        action = {"action_mode": r.action.mode, "action_view_point": r.action.viewpoint}
     return helper.tokenize_prompt(
         r.prompt,
         r.negative_prompt,
+        **action,
         num_frames=r.num_frames,
         height=r.height,
         width=r.width,
         fps=r.fps,
+        use_system_prompt=r.system_prompt,
         add_resolution_template=r.use_resolution_template,
         add_duration_template=r.use_duration_template,
     )
@@ -61,6 +71,7 @@ class RequestJob:
         self.request = request
         self.und_cache = und_cache
         self.branches: list[BranchSeq] = []
+        self.streams: list[ExtraStream] = []  # sound / action tokens after the vision tokens in the GEN half
         self.step_index = 0
         self.timings: dict[str, float] = {"prepare_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
         self.tokens = 0
@@ -92,33 +103,72 @@ class RequestJob:
         cond_ids, uncond_ids = tokenize(helper, r)
         # The reference draws noise from a CPU generator seeded per request, whatever the device.
         generator = torch.Generator("cpu").manual_seed(r.seed)
-        self.latents, self.condition_mask = self._initial_latents(generator)
+        if r.action is not None:
+            self.latents, self.condition_mask, self.streams = self._action_latents(generator)
+        else:
+            self.latents, self.condition_mask = self._initial_latents(generator)
+            if r.sound:
+                self.streams.append(self._sound_stream(generator))
         condition_frames = [int(i) for i in torch.nonzero(self.condition_mask[:, 0, 0] > 0).flatten()]
         prompts = [cond_ids, uncond_ids] if self.cfg else [cond_ids]
         self.branches = [self._branch(ids, condition_frames) for ids in prompts]
         self.tokens = sum(len(ids) for ids in prompts)
         self.scheduler = self._scheduler()
+        for stream in self.streams:
+            stream.start(self.scheduler)
         self.timesteps = self.scheduler.timesteps
         self._timestep_values = self.timesteps.tolist()  # read on the host each step without a device sync
         self.timings["prepare_s"] = time.perf_counter() - start
 
+    def _action_latents(self, generator: torch.Generator):
+        r = self.request
+        if not self.ctx.split.config.get("action_gen", False):
+            raise RequestFailed(f"{r.action.mode}: this checkpoint's transformer has no action_gen")
+        if r.sound:
+            self._require_sound()
+        conditioning = self._load_image() if r.image is not None else self._load_video()
+        with self.ctx.encode_lock:  # the canvas encode, on the encoder view: never behind a decode
+            return action_latents(self.ctx, r, conditioning, generator)
+
     def _initial_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         r, ctx = self.request, self.ctx
+        if r.image is None and r.video is None:
+            return self._noise_latents(generator)
         if r.image is not None:
-            try:
-                image = Image.open(r.image)
-                image.load()
-            except OSError as exc:
-                raise RequestFailed(f"cannot read image {r.image}: {exc}") from exc
-            with ctx.encode_lock:
-                out = self._prepare_image_latents(image, generator)
-            return out[0], out[5]
-        return self._noise_latents(generator)
+            conditioning = {"image": self._load_image()}
+        else:
+            conditioning = {
+                "video": self._load_video(),
+                "condition_frame_indexes_vision": list(r.condition_frames),
+                "condition_video_keep": r.condition_video_keep,
+            }
+        with ctx.encode_lock:
+            out = self._prepare_conditioned_latents(conditioning, generator)
+        return out[0], out[5]
 
-    def _prepare_image_latents(self, image, generator: torch.Generator):
+    def _load_image(self) -> Image.Image:
+        try:
+            image = Image.open(self.request.image)
+            image.load()
+        except OSError as exc:
+            raise RequestFailed(f"cannot read image {self.request.image}: {exc}") from exc
+        return image
+
+    def _load_video(self) -> list:
+        """The clip as the reference takes it: decoded by `diffusers.utils.load_video`."""
+        from diffusers.utils import load_video
+
+        r = self.request
+        try:
+            frames = load_video(r.video)
+        except Exception as exc:  # the clip changed on disk after validation
+            raise RequestFailed(f"cannot read video {r.video}: {type(exc).__name__}: {exc}") from exc
+        return frames
+
+    def _prepare_conditioned_latents(self, conditioning: dict, generator: torch.Generator):
         r, ctx = self.request, self.ctx
         return ctx.encode_helper.prepare_latents(
-            image=image,
+            **conditioning,
             num_frames=r.num_frames,
             height=r.height,
             width=r.width,
@@ -141,6 +191,14 @@ class RequestJob:
         noise = randn_tensor(shape, generator=generator, device=ctx.device, dtype=torch.float32)
         return noise, torch.zeros((latent_t, 1, 1), device=ctx.device, dtype=torch.float32)
 
+    def _require_sound(self) -> None:
+        if self.ctx.sound_tokenizer is None or not self.ctx.split.config.get("sound_gen", False):
+            raise RequestFailed("sound: this checkpoint has no sound_tokenizer or no sound_gen")
+
+    def _sound_stream(self, generator: torch.Generator) -> ExtraStream:
+        self._require_sound()
+        return sound_stream(self.ctx, self.request.num_frames, self.request.fps, generator)
+
     def _branch(self, input_ids: list[int], condition_frames: list[int]) -> BranchSeq:
         helper, split, device = self.ctx.helper, self.ctx.split, self.ctx.device
         text = helper._prepare_text_segment(input_ids, device=device)
@@ -159,7 +217,15 @@ class RequestJob:
             num_noisy_tokens=vision["num_noisy_vision_tokens"],
         )
         und_len = text["und_len"]
-        position_ids = torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1)
+        # Packed order: [text | vision | sound | action]; extra streams share the vision mRoPE offset.
+        mrope, curr = (
+            [text["text_mrope_ids"], vision["vision_mrope_ids"]],
+            und_len + vision["num_vision_tokens"],
+        )
+        for stream in self.streams:
+            mrope.append(stream.segment(helper, text["vision_start_temporal_offset"], curr, und_len, device))
+            curr += stream.length
+        position_ids = torch.cat(mrope, dim=1)
         rot_und, rot_gen = split.rotary(position_ids, und_len, device)
         text_hidden = split.embed_text(text["input_ids"], device)
         return BranchSeq(
@@ -197,38 +263,45 @@ class RequestJob:
         hidden, layout.original_shapes = split.embed_vision(
             tokens, timesteps, layout.token_shapes, layout.noisy_frame_indexes
         )
+        if self.streams:
+            extra = [
+                embed_stream(split.transformer, s.latents.to(split.dtype), value, s.layout, split.dtype)
+                for s in self.streams
+            ]
+            hidden = torch.cat([hidden, *extra], dim=0)
         for branch in self.branches:
             branch.gen_hidden = hidden
 
     def finish_step(self) -> None:
-        """Head, condition mask, CFG combine and this request's own scheduler step."""
-        from diffusers import Cosmos3OmniPipeline
-
-        layout = self.layout
-        velocities = []
-        for branch in self.branches:
-            pred = self.ctx.split.head(
-                branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
-            )
-            masked = Cosmos3OmniPipeline._mask_velocity_predictions(
-                [pred], None, vision_condition_mask=[self.condition_mask]
-            )[0]
-            velocities.append(masked.float())
+        """Heads, condition masks, CFG combine and this request's own scheduler step, per modality."""
+        branch_velocities = [self._velocities(branch) for branch in self.branches]
         if self.cfg:
-            cond, uncond = velocities
-            velocity = uncond + self.request.guidance_scale * (cond - uncond)
+            cond, uncond = branch_velocities
+            g = self.request.guidance_scale
+            velocity = {kind: uncond[kind] + g * (cond[kind] - uncond[kind]) for kind in cond}
         else:
-            velocity = velocities[0]
+            velocity = branch_velocities[0]
         t = self.timesteps[self.step_index]
         self.latents = self.scheduler.step(
-            velocity.unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
+            velocity["vision"].unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
         )[0].squeeze(0)
+        for stream in self.streams:
+            stream.step(velocity[stream.kind], t)
         self.step_index += 1
         if not self.und_cache:
             for branch in self.branches:  # the ablation: forget the UND K/V, redo them next pass
                 branch.reset_und()
         # Wall time from the first step to this one: the passes are shared with the other active requests.
         self.timings["denoise_s"] = time.perf_counter() - self._denoise_started
+
+    def _velocities(self, branch: BranchSeq) -> dict[str, torch.Tensor]:
+        split, layout = self.ctx.split, self.layout
+        normed = split.final_norm(branch)
+        vision = split.vision_head(
+            normed, branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
+        )
+        extra = [head_stream(split.transformer, normed, s.layout) for s in self.streams]
+        return mask_velocities(vision, self.condition_mask, self.streams, extra)
 
     # ---- finish ------------------------------------------------------------------------------------
 
@@ -245,5 +318,22 @@ class RequestJob:
         with self.ctx.vae_lock:
             decoded = vae.decode(z_raw).sample.to(latents.dtype)
         frames = helper.video_processor.postprocess_video(decoded, output_type="np")[0]
+        result = Result(latents=latents.cpu(), frames=frames)
+        self._decode_streams(result)
         self.timings["decode_s"] = time.perf_counter() - start
-        return Result(latents=latents.cpu(), frames=frames)
+        return result
+
+    def _decode_streams(self, result: Result) -> None:
+        from cosmos3_batch.model.sound import decode_waveform
+
+        for stream in self.streams:
+            if not torch.isfinite(stream.latents).all():
+                raise RequestFailed(f"{stream.kind} latents contain NaN or inf after denoising")
+            if stream.kind == SOUND:
+                tokenizer = self.ctx.sound_tokenizer
+                with self.ctx.vae_lock:  # the finisher thread decodes; one decoder call at a time
+                    result.sound = decode_waveform(tokenizer, stream.latents).float().cpu()
+                result.sample_rate = int(tokenizer.config.sampling_rate)
+            elif stream.kind == ACTION and self.request.action.mode in ("inverse_dynamics", "policy"):
+                # Forward dynamics is given its actions: the reference returns none for it.
+                result.actions = stream.latents[:, : stream.raw_action_dim].detach().cpu()

@@ -45,7 +45,8 @@ class Finisher:
         self._queue(self.report, job, None, error)
 
     def _queue(self, fn, *args) -> None:
-        self._pending = [f for f in self._pending if not f.done()]
+        # Finished futures are dropped, failed ones kept: close() re-raises them (no report is lost).
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(self._pool.submit(fn, *args))
 
     @property

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from cosmos3_batch.engine.transport import Counters
+from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
+from cosmos3_batch.pipeline.apply import PartApplier
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.finisher import Finisher
@@ -117,6 +119,7 @@ class PassRunner:
         und_cache: bool = True,
         stop: StopRequest | None = None,
         rule: PrefillRule | None = None,
+        batch_branches: bool | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -134,7 +137,9 @@ class PassRunner:
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
-        self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
+        if batch_branches is None:  # batched where it keeps the bits (nowhere on CPU), else per branch
+            batch_branches = batch_by_default(ctx.device, ctx.split.dtype)
+        self._apply = PartApplier(ctx.split, batch_branches)
         self.totals = Counters()
         self.started = time.perf_counter()  # the timeline's zero
         self.timeline: list[PassRecord] = []  # one small record per pass, for the run report
@@ -144,6 +149,11 @@ class PassRunner:
         self._reported = 0  # requests reported on this rank since the last exchange (finisher thread)
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
+
+    @property
+    def und_runs(self) -> int:
+        """UND half applications (layer x branch): once per branch per layer, ever (with the UND cache)."""
+        return self._apply.und_runs
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:
@@ -168,7 +178,9 @@ class PassRunner:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
                 self.interrupted = True
-                self.abandoned, self.not_started = active + list(slots.ready), list(slots.queue)
+                # Prefilled-ahead requests never took a step: like the queued ones, they were not started.
+                self.abandoned = active
+                self.not_started = [job.request for job in slots.ready] + list(slots.queue)
                 return
             if world.active == 0 and world.pending == 0:
                 return
@@ -256,26 +268,6 @@ class PassRunner:
         self.passes += 1
         self.und_passes += und_flag
 
-    def _apply(self, active: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
-        """One layer part over every wanted branch. A request whose compute fails (e.g. out of memory on its
-        largest activation) is marked failed and skipped; the rank keeps walking the layers with the others,
-        so its collectives stay aligned."""
-        split = self.ctx.split
-        is_last = index == split.num_layers - 1
-        for job in active:
-            if job.error is not None:
-                continue
-            try:
-                split.select_precision(job.step_index, len(job.timesteps), gen=part == GEN)
-                for branch in job.branches:
-                    if part == GEN:
-                        split.gen_layer(layer, branch, index)
-                    elif branch.needs_und:
-                        split.und_layer(layer, branch, is_last)
-                        self.und_runs += 1
-            except Exception as exc:
-                job.error = _describe(exc)
-
     def _account(self, riders: list[RequestJob], counters: Counters) -> None:
         self.totals.add(counters)
         # A pass's weight traffic is shared by the requests that rode on it (prefilled ones included).
@@ -295,6 +287,9 @@ class PassRunner:
                 self.finisher.fail(job, _describe(exc))
                 continue
             if job.done:
+                # Only the latents are needed from here: drop the UND caches and GEN streams now, so
+                # device memory does not grow with the decode backlog.
+                job.branches = []
                 self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
             else:
                 still.append(job)

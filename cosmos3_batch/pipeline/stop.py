@@ -26,6 +26,7 @@ class StopRequest:
     def __init__(self, quiet: bool | None = None) -> None:
         self.signum: int | None = None
         self._first_at = 0.0
+        self._repeats = 0
         # Under torchrun every worker gets the signal: only rank 0 says so.
         self.quiet = os.environ.get("RANK", "0") != "0" if quiet is None else quiet
 
@@ -51,9 +52,19 @@ class StopRequest:
                 f"{signal.Signals(signum).name}: stopping after this pass; finished outputs are being "
                 "written (send it again to exit at once)"
             )
+        elif self._forwarded_duplicate():
+            pass  # the launcher's copy of the signal we already act on
         elif now - self._first_at > DUPLICATE_WINDOW_S:
             _say(f"{signal.Signals(signum).name} again: exiting now; rerun the same command to resume")
             os._exit(128 + signum)
+
+    def _forwarded_duplicate(self) -> bool:
+        """Under torchrun (on Slurm the step's processes get the signal directly too) the first repeat may be
+        torchrun's forwarded copy, however late it comes: it never turns the clean stop into an exit."""
+        if self._repeats == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+            self._repeats += 1
+            return True
+        return False
 
     def install(self) -> Callable[[], None]:
         """Handle SIGINT and SIGTERM in this process; returns a function that restores the old handlers.

@@ -14,17 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from typer.testing import CliRunner
 
-from cosmos3_batch import planner
 from cosmos3_batch.checkpoint import TensorStore
+from cosmos3_batch.cli import app
 from cosmos3_batch.engine.layout import ParamSpec, build_part_layout
-from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
 from cosmos3_batch.prefill import PrefillRule
-from cosmos3_batch.requests import load_requests
-from cosmos3_batch.schedule import assign
 from tests.conftest import assert_same_outputs, write_jsonl
 
 pytestmark = pytest.mark.dist
@@ -92,17 +89,20 @@ def layer_bytes(tiny_ckpt: Path, world_size: int) -> dict[str, int]:
 def assert_simulated(
     summary: dict, prompts: Path, tiny_ckpt: Path, mode: str, max_active: int, rule: PrefillRule
 ) -> None:
-    """The pass simulator predicts this run's passes, UND passes, bytes and occupancy exactly."""
+    """`plan --json`'s pass simulator predicted this run's passes, UND passes, bytes and occupancy exactly."""
     world = len(summary["ranks"])
-    requests, _ = load_requests(str(prompts))
-    shape = planner.model_shape(Checkpoint.open(tiny_ckpt), world, torch.bfloat16)
-    queues = assign(requests, world).queues
-    sim = planner.simulate_job(queues, max_active, rule, shape, OffloadMode(mode), world)
+    args = ["plan", str(prompts), "--model", str(tiny_ckpt), "--nproc", str(world), "--offload", mode]
+    args += ["--max-active", str(max_active), "--prefill-free-share", str(rule.free_share)]
+    args += ["--prefill-max-wait", str(rule.max_wait), "--prefill-lookahead", str(rule.lookahead), "--json"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    sim = json.loads(result.output)["simulation"]
     ranks = summary["ranks"]
-    assert (sim.passes, sim.und_passes) == (ranks[0]["passes"], ranks[0]["und_passes"])
-    assert [r["h2d_bytes"] + r["gathered_bytes"] for r in ranks] == [sim.bytes_per_rank] * world
+    assert (sim["passes"], sim["und_passes"]) == (ranks[0]["passes"], ranks[0]["und_passes"])
+    assert isinstance(sim["passes"], int) and isinstance(sim["und_passes"], int)
+    assert [r["h2d_bytes"] + r["gathered_bytes"] for r in ranks] == [sim["bytes_per_rank"]] * world
     active = sum(r["active_sum"] for r in ranks)
-    assert active == round(sim.occupancy * sim.passes * world * max_active)
+    assert active == round(sim["occupancy"] * sim["passes"] * world * max_active)
 
 
 def assert_lockstep(summary: dict, world_size: int) -> None:

@@ -86,6 +86,7 @@ def ok_rows(out: Path) -> Counter:
         pytest.param(1, signal.SIGTERM, False, id="single-sigterm"),
         pytest.param(2, signal.SIGINT, False, id="torchrun2-sigint-launcher"),
         pytest.param(2, signal.SIGINT, True, id="torchrun2-sigint-group"),
+        pytest.param(2, signal.SIGTERM, False, id="torchrun2-sigterm"),
     ],
 )
 def test_signal_stops_cleanly_and_rerun_does_the_rest(

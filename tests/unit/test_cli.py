@@ -313,3 +313,18 @@ def test_every_command_and_flag_has_help():
         assert command.help, name
         for param in command.params:
             assert getattr(param, "help", None), (name, param.name)
+
+
+def test_metrics_of_an_older_version_are_kept_and_moved(job, tiny_ckpt):
+    prompts, out = job
+    out.mkdir(parents=True)
+    old_columns = "id,status,kind,latency_s,rank,finished_at,output,error\n"
+    (out / ".metrics.rank0.csv").write_text(old_columns + "earlier,ok,t2i,1.5,0,1796000000.5,earlier.png,\n")
+    (out / ".metrics.lock").write_text("")
+    assert run(tiny_ckpt, prompts, out).exit_code == 0
+    with open(out / "metrics.csv", newline="") as f:
+        rows = {row["id"]: row for row in csv.DictReader(f)}
+    assert sorted(rows) == ["earlier", "img", "vid"]
+    assert rows["earlier"]["latency_s"] == "1.5" and rows["earlier"]["queue_s"] == ""
+    assert not (out / ".metrics.rank0.csv").exists() and not (out / ".metrics.lock").exists()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".cosmos3_batch"]

@@ -115,3 +115,35 @@ def test_w8a8_math_and_dispatch_on_cpu() -> None:
     compute.select(2, 4, gen=True)
     assert torch.equal(linear(x), a8)
     assert (compute.w8a16_calls, compute.w8a8_calls) == (1, 1)
+
+
+def test_applier_gives_each_request_its_steps_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests sharing a pass are at different steps; batched or not, each runs its own step's math and a
+    batched group never mixes W8A16 and W8A8 requests (a group is one GEMM per projection)."""
+    import cosmos3_batch.pipeline.apply as apply
+    from cosmos3_batch.model.cosmos3 import GEN
+
+    compute = Fp8Compute(mode="checkpoint", first_steps=1, last_steps=1, w8a8_available=True)
+    seen: list[tuple[list[int], bool]] = []
+    split = SimpleNamespace(num_layers=2, fp8=compute)
+    split.gen_layer = lambda layer, branch, index: seen.append(([branch.step], compute.high_precision))
+    monkeypatch.setattr(
+        apply,
+        "gen_layer_batched",
+        lambda s, layer, group, index: seen.append(([b.step for b in group], compute.high_precision)),
+    )
+    jobs = [
+        SimpleNamespace(
+            step_index=step,
+            timesteps=list(range(5)),
+            error=None,
+            branches=[SimpleNamespace(step=step, gen_hidden=torch.zeros(4, 8))],
+        )
+        for step in (0, 2, 4, 3)
+    ]
+    for batched in (False, True):
+        seen.clear()
+        apply.PartApplier(split, batched)(jobs, None, 0, GEN)
+        assert sorted(s for steps, _ in seen for s in steps) == [0, 2, 3, 4]
+        for steps, high in seen:
+            assert {compute.use_high_precision(s, 5) for s in steps} == {high}, (batched, seen)

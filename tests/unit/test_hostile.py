@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from cosmos3_batch.cli import app
 from cosmos3_batch.pipeline import job
 
+CLIP = Path(__file__).resolve().parents[2] / "examples" / "clip.mp4"
 VALID = {"id": "ok", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
 VIDEO = {"prompt": "a cat", "num_frames": 9, "size": "32x32", "num_inference_steps": 1}
 
@@ -65,6 +66,23 @@ def _image(fmt: str) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray((np.random.RandomState(0).rand(40, 56, 3) * 255).astype(np.uint8)).save(buffer, fmt)
     return buffer.getvalue()
+
+
+def act(**changes: Any) -> dict:
+    """A valid forward-dynamics line (image + 10-wide fractal actions) with `changes` (None drops a key)."""
+    action = {"mode": "forward_dynamics", "chunk_size": 4, "domain": "fractal", "actions": [[0.0] * 10]}
+    row: dict[str, Any] = {"prompt": "push", "image": "good.png", "action": action}
+    for key, value in changes.items():
+        target = (
+            action
+            if key in ("mode", "chunk_size", "domain", "resolution_tier", "viewpoint", "actions", "extra")
+            else row
+        )
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    return row
 
 
 LONG = "a" * 5000  # the tiny byte-level tokenizer: one token per byte, model_max_length 4096
@@ -256,6 +274,177 @@ CASES = [
     bad(
         {**VIDEO, "num_frames": 1, "image": "good.png"}, "image", "image conditioning needs a video", id="i2i"
     ),
+    # Video-to-video: the clip (decoded in full, as load_video will) and its knobs.
+    bad({**VIDEO, "video": "missing.mp4"}, "video", "video file not found", id="video-missing"),
+    bad({**VIDEO, "video": "dangling.mp4"}, "video", "", "is a symbolic link to", id="video-dangling-link"),
+    bad({**VIDEO, "video": "half.mp4"}, "video", "", "is not a readable video", id="video-truncated-mp4"),
+    bad({**VIDEO, "video": "empty.mp4"}, "video", "", "is not a readable video", id="video-empty-file"),
+    bad({**VIDEO, "video": "text.png"}, "video", "", "is not a readable video", id="video-not-video"),
+    bad({**VIDEO, "video": ""}, "video", "must be a path to a video file", id="video-empty-path"),
+    bad({**VIDEO, "video": 3}, "video", "must be a string, got 3", id="video-int"),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "image": "good.png"},
+        "video",
+        "give either image (image-to-video) or video (video-to-video), not both",
+        id="video-and-image",
+    ),
+    bad(
+        {**VIDEO, "num_frames": 1, "video": "clip.mp4"},
+        "video",
+        "video conditioning needs a video output",
+        id="video-for-image",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": [0, 3]},
+        "condition_frames",
+        "index 3 is outside the latent timeline: 9 frames are 3 latent frames",
+        id="condition-frames-outside",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": []},
+        "condition_frames",
+        "must name at least one",
+        id="condition-frames-empty",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": [-1]},
+        "condition_frames",
+        "indexes must be >= 0",
+        id="condition-frames-negative",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": "0,1"},
+        "condition_frames",
+        "must be a list of latent frame indexes",
+        id="condition-frames-string",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_frames": [0, True]},
+        "condition_frames",
+        "must be a list of latent frame indexes",
+        id="condition-frames-bool",
+    ),
+    bad(
+        {**VIDEO, "condition_frames": [0]},
+        "condition_frames",
+        "is only used with video",
+        id="frames-no-video",
+    ),
+    bad(
+        {**VIDEO, "condition_video_keep": "last"},
+        "condition_video_keep",
+        "is only used with video",
+        id="keep-no-video",
+    ),
+    bad(
+        {**VIDEO, "video": "clip.mp4", "condition_video_keep": "middle"},
+        "condition_video_keep",
+        'must be "first" or "last"',
+        id="keep-bad",
+    ),
+    bad({**VIDEO, "system_prompt": "yes"}, "system_prompt", "must be true or false", id="system-prompt-str"),
+    bad({**VIDEO, "sound": 1}, "sound", "must be true or false, got 1", id="sound-int"),
+    bad({**VIDEO, "num_frames": 1, "sound": True}, "sound", "joint audio needs a video", id="sound-image"),
+    case(  # the same clip is accepted on its own: the rows above fail for their own reason, not the clip
+        jsonl(
+            VALID, {**VIDEO, "video": "clip.mp4", "condition_frames": [0, 2]}, {"prompt": "x", "seed": True}
+        ),
+        "line 3, field 'seed'",
+        absent=("line 2",),
+        id="video-valid-accepted",
+    ),
+    # Action modes: the object, its conditioning, and the actions file.
+    bad({"prompt": "x", "action": "policy"}, "action", "must be an object", id="action-not-object"),
+    bad(act(mode="dream"), "action.mode", "must be one of forward_dynamics", id="action-mode-unknown"),
+    bad(act(mode=None), "action.mode", "missing", id="action-mode-missing"),
+    bad(
+        act(domain="mars_rover"),
+        "action.domain",
+        "unknown domain",
+        "valid domains: agibot",
+        id="action-domain",
+    ),
+    bad(act(domain="libero"), "action.domain", "unknown domain 'libero'", id="action-domain-no-width"),
+    bad(
+        act(resolution_tier=360),
+        "action.resolution_tier",
+        "must be one of 256, 480, 704, 720",
+        id="action-tier",
+    ),
+    bad(act(viewpoint="drone"), "action.viewpoint", "must be one of ego_view", id="action-viewpoint"),
+    bad(
+        act(chunk_size=6),
+        "action.chunk_size",
+        "6 is not a multiple of 4 (nearest valid: 4 or 8)",
+        id="chunk-4k",
+    ),
+    bad(act(chunk_size=0), "action.chunk_size", "must be >= 4", id="chunk-zero"),
+    bad(act(chunk_size=4096), "action.chunk_size", "must be >= 4 and <= 1023", id="chunk-too-big"),
+    bad(act(chunk_size=True), "action.chunk_size", "must be an integer", id="chunk-bool"),
+    bad(act(extra=1), "action.extra", "unknown key", id="action-unknown-key"),
+    bad(act(size="32x32"), "size", "set by action", id="action-with-size"),
+    bad(act(num_frames=9), "num_frames", "set by action", id="action-with-frames"),
+    bad(act(sound="yes"), "sound", "must be true or false", id="action-sound-str"),
+    bad(act(image=None), "action", "needs a conditioning image or video", id="action-no-conditioning"),
+    bad(
+        act(video="clip.mp4"),
+        "video",
+        "give the action's conditioning as image or video, not both",
+        id="action-image-and-video",
+    ),
+    bad(
+        act(mode="inverse_dynamics", actions=None),
+        "image",
+        "inverse_dynamics",
+        "needs a video",
+        id="inverse-image",
+    ),
+    bad(act(actions=None), "action.actions", "forward_dynamics needs actions", id="fd-no-actions"),
+    bad(
+        act(mode="policy"), "action.actions", "only forward_dynamics takes actions", id="policy-with-actions"
+    ),
+    bad(
+        act(actions="wide.npy"),
+        "action.actions",
+        "rows are 9 wide; fractal actions are 10 wide",
+        id="npy-width",
+    ),
+    bad(act(actions="ints.npy"), "action.actions", "", "dtype <U1 is not a real number", id="npy-dtype"),
+    bad(act(actions="nan.json"), "action.actions", "contains NaN or infinity", id="json-nan"),
+    bad(act(actions="half.npy"), "action.actions", "", "is not a readable actions file", id="npy-truncated"),
+    bad(act(actions="a.csv"), "action.actions", "actions file not found", id="actions-missing"),
+    bad(act(actions="good.png"), "action.actions", "", "must be .npy or .json", id="actions-wrong-type"),
+    bad(
+        act(actions=[[1.0] * 10, [1.0] * 9]),
+        "action.actions",
+        "must be a [T, D] list of lists of numbers",
+        id="actions-ragged",
+    ),
+    bad(act(actions=[]), "action.actions", "must have shape [T, D] with T >= 1", id="actions-empty"),
+    bad(act(actions=[[True] * 10]), "action.actions", "must be a [T, D] list of lists", id="actions-bool"),
+    bad(
+        act(image="gray.png"),
+        "image",
+        "",
+        "has 'L' pixels; action conditioning needs RGB",
+        id="action-gray-image",
+    ),
+    bad(
+        act(image=None, video="half.mp4"), "video", "", "is not a readable video", id="action-truncated-video"
+    ),
+    bad(
+        act(action={"mode": "policy", "chunk_size": 16, "domain": "fractal", "resolution_tier": 720}),
+        "action",
+        "1104x832 x 17 frames is 4,550 vision tokens, over the per-request bound of 1,000",
+        args=("--max-vision-tokens", "1000"),
+        id="action-over-budget",
+    ),
+    case(  # a valid action line passes: line 3 alone stops the job
+        jsonl(VALID, act(), {"prompt": "x", "seed": True}),
+        "line 3, field 'seed'",
+        absent=("line 2",),
+        id="action-valid-accepted",
+    ),
     # Several problems: every one is listed, not only the first.
     case(
         jsonl(VALID, {"prompt": "", "seed": True}, {"prompt": "x", "id": "a/b"}, "not json"),
@@ -297,6 +486,17 @@ def test_hostile_file_exits_2_naming_the_line_and_writes_nothing(
     (tmp_path / "head.jpg").write_bytes(jpeg[:300])
     (tmp_path / "half.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     (tmp_path / "text.png").write_text("this is text, not a PNG\n")
+    clip = CLIP.read_bytes()
+    (tmp_path / "clip.mp4").write_bytes(clip)
+    (tmp_path / "half.mp4").write_bytes(clip[: len(clip) // 2])
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "dangling.mp4").symlink_to(tmp_path / "gone.mp4")
+    np.save(tmp_path / "wide.npy", np.zeros((4, 9), dtype=np.float32))
+    np.save(tmp_path / "ints.npy", np.array([["a"] * 10]))
+    npy = (tmp_path / "wide.npy").read_bytes()
+    (tmp_path / "half.npy").write_bytes(npy[: len(npy) // 2])
+    (tmp_path / "nan.json").write_text("[[NaN, 0, 0, 0, 0, 0, 0, 0, 0, 0]]")
+    Image.new("L", (64, 48)).save(tmp_path / "gray.png")
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(content)
     before = _files(tmp_path)
@@ -338,3 +538,24 @@ def test_read_only_out_exits_2(tmp_path: Path, tiny_ckpt: Path) -> None:
         assert list(out.iterdir()) == []
     finally:
         out.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "message"),
+    [
+        ({**VIDEO, "sound": True}, "sound", "this checkpoint cannot generate sound"),
+        (act(), "action", "this checkpoint cannot run action modes: its transformer has no action_gen"),
+    ],
+    ids=["sound", "action"],
+)
+def test_mode_on_a_checkpoint_without_it_exits_2(
+    tmp_path: Path, tiny_ckpt: Path, row: dict, field: str, message: str
+) -> None:
+    """The checkpoint's modes are in the limits (request_modes.checkpoint_modes): a sound or action request
+    on the default tiny model (it has neither) stops the job before anything is loaded."""
+    (tmp_path / "good.png").write_bytes(_image("PNG"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(jsonl(VALID, row))
+    result = invoke("run", prompts, "--model", tiny_ckpt, "--out", tmp_path / "out", "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert f"line 2, field '{field}': {message}" in result.output

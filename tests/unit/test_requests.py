@@ -11,6 +11,7 @@ import sys
 import pytest
 from PIL import Image
 
+from cosmos3_batch.request_actions import ActionSpec
 from cosmos3_batch.requests import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
@@ -515,6 +516,12 @@ CHANGES = {
     "image": "/x.png",
     "use_resolution_template": False,
     "use_duration_template": False,
+    "video": "/x.mp4",
+    "condition_frames": (0,),
+    "condition_video_keep": "last",
+    "system_prompt": False,
+    "sound": True,
+    "action": ActionSpec("policy", 8, "fractal", 256, "ego_view"),
 }
 
 
@@ -535,9 +542,40 @@ def test_kind():
     assert request.kind == "t2v"
     assert dataclasses.replace(request, num_frames=1).kind == "t2i"
     assert dataclasses.replace(request, image="/x.png").kind == "i2v"
+    assert dataclasses.replace(request, video="/x.mp4").kind == "v2v"
+
+
+def test_unused_mode_fields_leave_the_record_and_hash_as_they_were():
+    # Outputs written before the mode fields existed must stay complete on resume: same record, same hash.
+    request = base_request()
+    mode_fields = {"video", "condition_frames", "condition_video_keep", "system_prompt"}
+    assert not mode_fields & set(request.resolved())
+    with_system = dataclasses.replace(request, system_prompt=True)
+    assert with_system.resolved()["system_prompt"] is True
 
 
 def test_module_does_not_import_torch():
     heavy = "{'torch', 'diffusers', 'transformers'}"
     code = f"import cosmos3_batch.requests, sys; assert not {heavy} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sound_on_a_checkpoint_without_it_is_named():
+    line = line_of(num_frames=9, size="32x32", sound=True)
+    (ok,), errors = parse(line, limits=ModelLimits(sound=True))
+    assert errors == [] and ok.sound and ok.kind == "t2v+sound"
+    _, errors = parse(line, limits=ModelLimits(sound=False))
+    assert [(e.line, e.field) for e in errors] == [(1, "sound")]
+    assert "has no sound_tokenizer" in errors[0].message
+
+
+def test_checkpoint_modes_read_from_configs():
+    from cosmos3_batch.request_modes import checkpoint_modes
+
+    with_tokenizer = {"sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"]}
+    assert checkpoint_modes(with_tokenizer, {"sound_gen": True})["sound"] is True
+    assert checkpoint_modes(with_tokenizer, {})["sound"] is False
+    assert checkpoint_modes({"sound_tokenizer": [None, None]}, {"sound_gen": True})["sound"] is False
+    actions = checkpoint_modes({}, {"action_gen": True, "action_dim": 57})
+    assert actions["action"] is True and actions["action_dim"] == 57
+    assert checkpoint_modes({}, {})["action"] is False

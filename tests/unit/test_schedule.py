@@ -8,7 +8,16 @@ import sys
 import pytest
 
 from cosmos3_batch.requests import parse_lines
-from cosmos3_batch.schedule import assign, in_shard, parse_shard, predicted_cost, vision_tokens
+from cosmos3_batch.schedule import (
+    action_tokens,
+    assign,
+    gen_tokens,
+    in_shard,
+    parse_shard,
+    predicted_cost,
+    sound_tokens,
+    vision_tokens,
+)
 
 
 def requests(*rows: str):
@@ -26,6 +35,26 @@ def test_cost_counts_tokens_steps_and_branches():
     assert vision_tokens(img) == 1 * 2 * 2 and vision_tokens(vid) == 3 * 1 * 2
     assert predicted_cost(img) == 4 * 10 * 2
     assert predicted_cost(vid) == 6 * 5 * 2 and predicted_cost(nocfg) == 6 * 5 * 1
+
+
+def test_cost_counts_sound_and_action_tokens(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 48)).save(tmp_path / "f.png")
+    rows = [
+        '{"prompt": "b", "num_frames": 9, "size": "64x32", "num_inference_steps": 5, "sound": true}',
+        '{"prompt": "p", "image": "f.png", "num_inference_steps": 5, '
+        '"action": {"mode": "policy", "chunk_size": 8, "domain": "fractal", "resolution_tier": 256}}',
+    ]
+    parsed, errors = parse_lines([row.encode() for row in rows], base_dir=str(tmp_path))
+    assert errors == []
+    sound, policy = parsed
+    # 9 frames at 24 fps = 18,000 samples at 48 kHz = 10 sound latents (hop 1920), after 6 vision tokens.
+    assert sound_tokens(sound) == 10 and gen_tokens(sound) == 6 + 10
+    assert predicted_cost(sound) == 16 * 5 * 2
+    # Policy, tier 256, a 4:3 frame: the 256x320 canvas (8x10 patches of 32 px) x 3 latent frames + 8 actions.
+    assert (policy.height, policy.width) == (256, 320)
+    assert action_tokens(policy) == 8 and gen_tokens(policy) == vision_tokens(policy) + 8 == 3 * 8 * 10 + 8
 
 
 def test_assignment_is_balanced_deterministic_and_complete():

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.checkpoint import TensorStore
 from cosmos3_batch.cli import app
-from cosmos3_batch.model.tiny import TinySpec, build_tokenizer
+from cosmos3_batch.model.tiny import TinySpec, build_tokenizer, spec_record
 
 
 def test_vocab_sets_the_table_rows_and_nothing_else(tmp_path):
@@ -31,7 +31,7 @@ def test_vocab_sets_the_table_rows_and_nothing_else(tmp_path):
 def test_default_model_folder_and_spec_file_are_unchanged_by_the_new_field():
     # The default spec serialises exactly as before `vocab` existed, so its cache folder (a hash of it)
     # and its tiny_spec.json keep their names and bytes.
-    spec = TinySpec().as_dict()
+    spec = spec_record(TinySpec())
     assert "vocab" not in spec
     assert list(spec) == [
         "seed", "layers", "hidden", "heads", "kv_heads", "intermediate", "dtype", "latent_channels",

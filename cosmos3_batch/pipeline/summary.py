@@ -1,0 +1,101 @@
+"""summary.json: the run's counts, failures, per-rank counters and config; and the line the CLI prints."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cosmos3_batch.config import RunConfig
+from cosmos3_batch.dist import World
+from cosmos3_batch.io.metrics import iso_time
+from cosmos3_batch.pipeline.results import versions
+
+if TYPE_CHECKING:
+    from cosmos3_batch.pipeline.job import Plan
+    from cosmos3_batch.pipeline.results import ResultWriter
+    from cosmos3_batch.pipeline.runner import PassRunner
+
+
+def preview(ids, limit: int = 8) -> str:
+    """': a, b, c (+5 more)' for a log line; the full list is in summary.json."""
+    ids = list(ids)
+    if not ids:
+        return ""
+    more = f" (+{len(ids) - limit} more)" if len(ids) > limit else ""
+    return ": " + ", ".join(ids[:limit]) + more
+
+
+def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers: bool) -> dict:
+    totals = runner.totals
+    return {
+        "rank": world.rank,
+        "ok": len(writer.ok),
+        "failed": writer.failed,
+        "passes": runner.passes,
+        "und_passes": runner.und_passes,
+        "pass_s": round(runner.pass_s, 6),
+        "all_reduces": runner.sync.all_reduces,
+        "gathers": totals.fetches if world.distributed and gathers else 0,
+        "fetches": totals.fetches,
+        "collective_trace": runner.sync.trace_digest,
+        "abandoned": [job.request.id for job in runner.abandoned],
+        "not_started": len(runner.not_started),
+        "h2d_bytes": totals.h2d_bytes,
+        "gathered_bytes": totals.gathered_bytes,
+        "stall_s": round(totals.stall_s, 6),
+        "collective_s": round(totals.collective_s, 6),
+        "compute_s": round(totals.compute_s, 6),
+        "h2d_s": round(totals.h2d_s, 6),
+        "stall_share": round(totals.stall_share, 6),
+        "und_runs": runner.und_runs,
+        # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
+        "active_sum": sum(record.active for record in runner.timeline),
+    }
+
+
+def build_summary(
+    cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: float, world: World
+) -> dict:
+    ok = sum(report["ok"] for report in ranks)
+    return {
+        "requests_in_file": len(plan.requests) + len(plan.complete) + len(plan.invalid),
+        "generated_ok": ok,
+        "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
+        "skipped_complete": len(plan.complete),
+        "skipped_complete_ids": sorted(r.id for r in plan.complete),
+        "invalid": [{"line": e.line, "field": e.field, "error": e.message} for e in plan.invalid],
+        "started_at": iso_time(time.time() - wall),
+        "wall_s": round(wall, 3),
+        "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
+        "ranks": ranks,
+        "config": {
+            "prompts": str(cfg.prompts.resolve()),
+            "model": str(plan.model_dir),
+            "max_active": cfg.max_active,
+            "offload": cfg.offload.value,
+            "world_size": world.world_size,
+            "device": str(world.device),
+        },
+        "versions": versions(),
+    }
+
+
+def summary_name(tag: str) -> str:
+    return f"summary.{tag}.json" if tag else "summary.json"
+
+
+def describe_summary(out: Path, tag: str = "") -> str:
+    summary = json.loads((out / summary_name(tag)).read_text())
+    line = (
+        f"{summary['generated_ok']} generated, {len(summary['failed'])} failed, "
+        f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"
+    )
+    if stopped := summary.get("interrupted"):
+        left = len(stopped["abandoned"]) + stopped["not_started"]
+        line = (
+            f"stopped by {stopped['signal'] or 'a signal'}: {line}; {left} not generated "
+            "(rerun the same command to resume)"
+        )
+    return line

@@ -1,0 +1,79 @@
+"""The generation modes (V2V, system prompt, sound, actions) under real `torchrun` jobs (gloo, CPU): world
+2 with allgather and world 3 with local offload reproduce `Cosmos3OmniPipeline.__call__` bit for bit, the
+reference run in this process at the single thread torchrun gives each worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cosmos3_batch.requests import load_requests
+from tests.conftest import write_jsonl
+from tests.dist.test_runs import assert_lockstep, torchrun
+from tests.unit.test_fidelity_modes import CLIP, run_reference
+
+pytestmark = pytest.mark.dist
+TINY = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+ROWS = [
+    {"id": "v2v-first", "prompt": "the clip goes on", **TINY, "video": str(CLIP), "seed": 1},
+    {
+        "id": "v2v-last",
+        "prompt": "the clip goes on",
+        **TINY,
+        "video": str(CLIP),
+        "condition_frames": [1],
+        "condition_video_keep": "last",
+        "guidance_scale": 1.0,
+        "seed": 2,
+    },
+    {"id": "sys-off", "prompt": "a red cube", **TINY, "system_prompt": False, "seed": 3},
+    {"id": "t2v-sound", "prompt": "rain on a roof", **TINY, "sound": True, "seed": 4},
+    {"id": "i2v-sound", "prompt": "it hums", **TINY, "image": "IMAGE", "sound": True, "guidance_scale": 1.0},
+    {"id": "policy", "prompt": "grab it", "image": "IMAGE", "num_inference_steps": 2, "sound": True,
+     "action": {"mode": "policy", "chunk_size": 4, "domain": "fractal", "resolution_tier": 256}},
+    {"id": "inverse", "prompt": "what moved", "video": str(CLIP), "num_inference_steps": 2, "seed": 6,
+     "action": {"mode": "inverse_dynamics", "chunk_size": 4, "domain": "hand_pose", "resolution_tier": 256}},
+    {"id": "forward", "prompt": "push", "image": "IMAGE", "num_inference_steps": 2,
+     "action": {"mode": "forward_dynamics", "chunk_size": 4, "domain": "pusht", "resolution_tier": 256,
+                "actions": [[0.5, -0.5], [0.25, 0.0]]}},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, tiny_av_ckpt, cond_image) -> tuple[Path, dict]:
+    rows = [{**row, "image": str(cond_image)} if "image" in row else row for row in ROWS]
+    prompts = write_jsonl(tmp_path_factory.mktemp("modes") / "modes.jsonl", rows)
+    requests, _ = load_requests(str(prompts))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 gives each rank
+    try:
+        reference = run_reference(tiny_av_ckpt, requests, output_types=("latent",))
+    finally:
+        torch.set_num_threads(threads)
+    return prompts, {rid: outs[0] for rid, outs in reference.items()}
+
+
+@pytest.mark.parametrize(("world_size", "mode", "max_active"), [(2, "allgather", 3), (3, "local", 1)])
+def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_size, mode, max_active):
+    prompts, reference = job
+    out = tmp_path / "out"
+    args = (prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--save-latents")
+    proc = torchrun(world_size, *args, "--max-active", max_active)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rid, expected in reference.items():
+        saved = load_file(out / f"{rid}.latents.safetensors")
+        assert torch.equal(saved["latents"], expected.video), rid
+        if expected.sound is None:
+            assert "sound" not in saved, rid
+        else:
+            assert torch.equal(saved["sound"], expected.sound), rid
+        if getattr(expected, "action", None) is not None:
+            actions = load_file(out / f"{rid}.actions.safetensors")["actions"]
+            assert torch.equal(actions, expected.action[0]), rid
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generated_ok"] == len(ROWS)
+    assert_lockstep(summary, world_size)
