@@ -24,6 +24,11 @@ FREE_SHARE_HELP = (
     "prefilled request to take it (README: choosing the prefill rule)."
 )
 MAX_WAIT_HELP = "... or when a free slot has waited this many passes for a UND pass."
+FP8_COMPUTE_HELP = (
+    "FP8 checkpoints only. checkpoint: the checkpoint's step policy (W8A16 on its first/last steps, W8A8 "
+    "between; W8A16 throughout where no FP8 GEMM exists, e.g. CPU); a16: W8A16 (dequantize, then the "
+    "linear) on every step."
+)
 LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V kept until a slot frees)."
 
 
@@ -95,6 +100,7 @@ def run(
             "GPUs; off on CPU, where only one branch at a time is bit-exact with the reference).",
         ),
     ] = None,
+    fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
     130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
@@ -121,6 +127,7 @@ def run(
             shard=shard,
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
             batch_branches=batch_branches,
+            fp8_compute=fp8_compute,
         )
         code, line = run_job(cfg)
     except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract
@@ -237,6 +244,33 @@ def make_tiny(
         raise typer.Exit(2) from None
     path = write_tiny(dir, spec)
     typer.echo(f"wrote {path}")
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint (diffusers layout, bf16/fp16/fp32).")],
+    dst: Annotated[Path, typer.Argument(help="Folder to write the converted checkpoint to (new or empty).")],
+    fp8: Annotated[
+        bool, typer.Option("--fp8", help="Per-tensor FP8 e4m3 layer weights + scales (ModelOpt layout).")
+    ] = False,
+) -> None:
+    """Write DST, a converted copy of checkpoint SRC, streaming one tensor at a time (never the whole
+    model in memory). Exit 2 (nothing written) for a bad SRC or a non-empty DST."""
+    from cosmos3_batch.convert import convert_fp8
+    from cosmos3_batch.model.loading import CheckpointError
+
+    if not fp8:
+        typer.echo("error: say which conversion: --fp8 (the only one so far)", err=True)
+        raise typer.Exit(2)
+    try:
+        result = convert_fp8(src, dst)
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"wrote {dst}: {result.quantized} linear weights in FP8, {result.copied} tensors copied; "
+        f"transformer {result.source_bytes / 2**20:.1f} MiB -> {result.target_bytes / 2**20:.1f} MiB"
+    )
 
 
 @app.command()

@@ -9,6 +9,7 @@ from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.prefill import PrefillRule
 
 DEVICES = ("auto", "cpu", "cuda")
+FP8_COMPUTE = ("checkpoint", "a16")  # model/fp8.py COMPUTE_MODES (not imported: config stays torch-light)
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,7 @@ class RunConfig:
     shard: tuple[int, int] | None = None  # (index, count): this job runs one slice of the file
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
+    fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always
     # When the world fetches the UND halves (DESIGN.md §4, prefill.py).
     prefill: PrefillRule = field(default_factory=PrefillRule)
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
@@ -50,6 +52,10 @@ class RunConfig:
             raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.fp8_compute not in FP8_COMPUTE:
+            raise ValueError(
+                f"--fp8-compute must be one of {', '.join(FP8_COMPUTE)}, got {self.fp8_compute!r}"
+            )
         if not self.prompts.is_file():
             raise ValueError(f"PROMPTS {self.prompts}: no such file")
         if self.model is not None and not (self.model / "model_index.json").is_file():

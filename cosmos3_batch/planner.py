@@ -52,7 +52,7 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    act_bytes: int  # bytes per activation element (the weights' dtype)
+    act_bytes: int  # bytes per activation element (the unquantized weights' dtype: FP8 computes in it)
     parts: tuple[PartLayout, ...]  # at the job's world size
     host_resident_bytes: int  # embed_tokens: looked up on the host
     device_resident_bytes: int  # every other non-layer weight (lm_head excluded: never read)
@@ -62,12 +62,15 @@ class ModelShape:
 def model_shape(checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.dtype) -> ModelShape:
     """From config.json, with each tensor's dtype from the safetensors headers when the files exist."""
     cfg = checkpoint.config("transformer")
-    model = build_transformer_on_meta(cfg)
     try:
         store = checkpoint.store("transformer")
         dtype_of = lambda name: store.info(name)[0]  # noqa: E731
     except (ValueError, CheckpointFileError):
+        store = None
         dtype_of = lambda name: fallback_dtype  # noqa: E731 (a config-only folder: plan a download)
+    model = build_transformer_on_meta(
+        cfg, store
+    )  # FP8: e4m3 weights and their scales, as the engine lays out
     parts = tuple(
         build_part_layout(
             key,
@@ -87,7 +90,7 @@ def model_shape(checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.d
         heads=cfg["num_attention_heads"],
         kv_heads=cfg["num_key_value_heads"],
         head_dim=cfg["head_dim"],
-        act_bytes=dtype_of("layers.0.mlp.up_proj.weight").itemsize,
+        act_bytes=dtype_of("embed_tokens.weight").itemsize,
         parts=parts,
         host_resident_bytes=host,
         device_resident_bytes=sum(nbytes.values()) - host,
@@ -218,7 +221,7 @@ def _seconds_per_pass(
     attn_flops = sequences * 4 * gen * (gen + und) * shape.heads * shape.head_dim
     total = 0.0
     for part in gen_parts:
-        params = part.payload_bytes / shape.act_bytes
+        params = sum(p.spec.nbytes // p.spec.dtype.itemsize for p in part.params)  # FP8: 1 byte each
         compute = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12)
         h2d, gathered = _bytes_per_pass([part], mode, world)
         fetch = h2d / (hw.h2d_gbps * GB) + gathered / (gather_bw * GB)
@@ -354,6 +357,17 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
+    """What the layers are stored as (FP8 halves every byte figure of the plan) and their total size."""
+    fp8 = bool(checkpoint.config("transformer").get("quantization_config"))
+    dtypes = sorted({str(p.spec.dtype).removeprefix("torch.") for part in shape.parts for p in part.params})
+    return {
+        "format": "fp8 e4m3 per-tensor (ModelOpt) + scales" if fp8 else "/".join(dtypes),
+        "fp8": fp8,
+        "layer_gib": sum(part.payload_bytes for part in shape.parts) / 2**30,
+    }
+
+
 def plan_job(
     prompts: Path,
     model: Path | None,
@@ -404,6 +418,8 @@ def plan_job(
     doc["simulation"] = sim.to_dict()
     text += ["", describe_simulation(sim, rule, max_active, shape is not None)]
     if shape is not None:
+        doc["weights"] = weight_format(checkpoint, shape)
+        text.append(f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB")
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead)
         doc["estimate"] = est.to_dict()

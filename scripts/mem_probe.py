@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -29,6 +30,26 @@ def snapshot() -> dict[str, int]:
         "rss_anon": proc_kb("/proc/self/status", "RssAnon") * 1024,
         "pss": proc_kb("/proc/self/smaps_rollup", "Pss") * 1024,
     }
+
+
+class PeakSampler:
+    """Highest RssAnon seen while placing the weights, sampled every millisecond on a thread: /proc keeps a
+    peak only for all of RSS (VmHWM), which also counts the page-cache pages a rank reads its shard from."""
+
+    def __init__(self) -> None:
+        self.peak = proc_kb("/proc/self/status", "RssAnon") * 1024
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, proc_kb("/proc/self/status", "RssAnon") * 1024)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.peak, proc_kb("/proc/self/status", "RssAnon") * 1024)
 
 
 def in_file_mapping(address: int, path: Path) -> bool:
@@ -67,12 +88,14 @@ def main() -> None:
     layer_bytes = sum(store.byte_view(n).numel() for n in layer_names)
     world.barrier()
     before = snapshot()
+    sampler = PeakSampler()
     if mode == "naive":
         held = [store.tensor(n) for n in layer_names]  # noqa: F841 (kept alive for the measurement)
         slot_bytes = 0
     else:
         weights = build_weights(transformer.layers, ckpt, OffloadMode(mode), world)
         slot_bytes = sum(s.numel() for s in weights.engine.slots)
+    peak = sampler.stop()
     after = snapshot()
     world.barrier()
     result = {
@@ -82,6 +105,7 @@ def main() -> None:
         "layer_bytes": layer_bytes,
         "slot_bytes": slot_bytes,
         "rss_anon_delta": after["rss_anon"] - before["rss_anon"],
+        "rss_anon_peak_delta": peak - before["rss_anon"],
         "pss_delta": after["pss"] - before["pss"],
         "embed_bytes": embed.numel() * embed.element_size(),
         "embed_is_mapped_view": in_file_mapping(embed.data_ptr(), embed_file),

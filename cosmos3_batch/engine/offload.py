@@ -131,7 +131,12 @@ class LayerOffload:
     def _param_views(binding: PartBinding, layout: PartLayout, slot: torch.Tensor):
         # Built once: switching a part to a slot is then only dict assignments, no allocation per layer.
         views = []
-        for (module, leaf, _), place in zip(binding.params, layout.params, strict=True):
+        # By name, not position: the layout groups parameters by dtype, so a part holding two dtypes (FP8
+        # weights and their float32 scales) is laid out in another order than the binding lists them.
+        places = {place.spec.name: place for place in layout.params}
+        assert len(places) == len(binding.params), binding.key
+        for module, leaf, name in binding.params:
+            place = places[name]
             raw = slot[place.offset : place.offset + place.spec.nbytes]
             tensor = raw.view(place.spec.dtype).view(place.spec.shape)
             views.append((module._parameters, leaf, torch.nn.Parameter(tensor, requires_grad=False)))

@@ -75,6 +75,9 @@ class Cosmos3Split:
         self.transformer = transformer
         self.config = transformer.config
         self.num_layers = self.config.num_hidden_layers
+        # FP8 checkpoints (model/fp8.py): which math the linears run, chosen per request by the caller
+        # (pipeline/apply.py), since requests sharing a pass may be at different steps; None otherwise.
+        self.fp8 = getattr(transformer, "fp8_compute", None)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from cosmos3_batch.checkpoint import CheckpointFileError, TensorStore
+from cosmos3_batch.model.fp8 import Fp8Compute, install_fp8, make_compute, quantization_config
 
 COMPONENTS = ("transformer", "vae", "scheduler", "text_tokenizer")
 NEVER_LOADED = ("lm_head.",)  # generation never reads the LM head (vocab x hidden: ~1.2 GB in Nano)
@@ -78,12 +79,23 @@ def load_tensors(
     }
 
 
-def build_transformer_on_meta(config: dict):
+def build_transformer_on_meta(
+    config: dict, store: TensorStore | None = None, compute: Fp8Compute | None = None
+):
+    """The transformer on the meta device. With the checkpoint's `store`, an FP8 checkpoint's linears are
+    `Fp8Linear`s (e4m3 weight + scale parameters, named as in the files); without it (helpers that only
+    tokenize, a config-only folder) they stay ordinary linears."""
     from diffusers import Cosmos3OmniTransformer
 
+    quantized = bool(config.get("quantization_config"))  # validated by _quantization, which callers run
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
     with torch.device("meta"):
         model = Cosmos3OmniTransformer.from_config(config)
     del model.lm_head
+    if quantized and store is not None:
+        compute = compute if compute is not None else Fp8Compute()
+        install_fp8(model, store, compute)
+        model.fp8_compute = compute  # Cosmos3Split selects the math per sequence through it
     return model
 
 
@@ -116,13 +128,16 @@ def rebuild_rotary(transformer: torch.nn.Module) -> None:
     )
 
 
-def load_transformer(ckpt: Checkpoint, device: torch.device, with_layers: bool = True):
-    """The transformer with all non-layer weights loaded; layers too unless the engine will place them."""
+def load_transformer(
+    ckpt: Checkpoint, device: torch.device, with_layers: bool = True, fp8_compute: str = "checkpoint"
+):
+    """The transformer with all non-layer weights loaded; layers too unless the engine will place them.
+    An FP8 checkpoint keeps its e4m3 weights (and their scales) as stored; `fp8_compute` picks the math."""
     config = ckpt.config("transformer")
-    if config.get("quantization_config"):
-        raise CheckpointError(f"{ckpt.root}/transformer: quantized (FP8) checkpoints are not supported yet")
-    model = build_transformer_on_meta(config)
     store = ckpt.store("transformer")
+    qc = _quantization(ckpt)
+    compute = make_compute(qc, fp8_compute, device) if qc is not None else None
+    model = build_transformer_on_meta(config, store, compute)
 
     def wanted(name: str) -> bool:
         return not name.startswith(NEVER_LOADED) and (with_layers or not name.startswith("layers."))
@@ -168,7 +183,9 @@ def validate_checkpoint(ckpt: Checkpoint) -> None:
 
     with torch.device("meta"):
         vae = AutoencoderKLWan.from_config(ckpt.config("vae"))
-    models = {"transformer": build_transformer_on_meta(ckpt.config("transformer")), "vae": vae}
+    _quantization(ckpt)
+    transformer = build_transformer_on_meta(ckpt.config("transformer"), ckpt.store("transformer"))
+    models = {"transformer": transformer, "vae": vae}
     for component, model in models.items():
         store = ckpt.store(component)
         try:
@@ -176,6 +193,15 @@ def validate_checkpoint(ckpt: Checkpoint) -> None:
                 store.check(name, None, tuple(param.shape))
         except CheckpointFileError as exc:
             raise CheckpointError(str(exc)) from exc
+
+
+def _quantization(ckpt: Checkpoint) -> dict | None:
+    """The transformer's ModelOpt FP8 `quantization_config`, None if unquantized; a CheckpointError naming
+    config.json for any other method."""
+    try:
+        return quantization_config(ckpt.config("transformer"), str(ckpt.root / "transformer" / "config.json"))
+    except CheckpointFileError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def load_vae(ckpt: Checkpoint, device: torch.device):

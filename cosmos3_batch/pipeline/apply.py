@@ -28,6 +28,20 @@ class PartApplier:
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
 
     def __call__(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
+        fp8 = self.split.fp8
+        if fp8 is None:
+            return self._apply(jobs, layer, index, part)
+        # FP8: requests at different steps may need different math (model/fp8.py), and a batched group is
+        # one GEMM per projection: apply the part once per precision, to the requests that want it.
+        by_precision: dict[bool, list[RequestJob]] = {}
+        for job in jobs:
+            wants = fp8.wants_high_precision(job.step_index, len(job.timesteps), part == GEN)
+            by_precision.setdefault(wants, []).append(job)
+        for high_precision, group in by_precision.items():
+            fp8.high_precision = high_precision
+            self._apply(group, layer, index, part)
+
+    def _apply(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
         is_last = index == self.split.num_layers - 1
         pairs = [
             (job, branch)

@@ -89,9 +89,10 @@ def load_context(
     with_layers: bool = True,
     vae_tiling: bool = False,
     tokenizer=None,
+    fp8_compute: str = "checkpoint",
 ) -> ModelContext:
     checkpoint = Checkpoint.open(model_dir)
-    transformer = load_transformer(checkpoint, device, with_layers=with_layers)
+    transformer = load_transformer(checkpoint, device, with_layers=with_layers, fp8_compute=fp8_compute)
     vae = load_vae(checkpoint, device)
     if vae_tiling:
         vae.enable_tiling()

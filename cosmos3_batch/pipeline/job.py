@@ -30,7 +30,7 @@ from cosmos3_batch.pipeline.results import ResultWriter, output_key
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import build_summary, describe_summary, preview, rank_report, summary_name
-from cosmos3_batch.pipeline.weights import build_weights
+from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.schedule import assign, in_shard
 
@@ -112,6 +112,9 @@ def plan_run(cfg: RunConfig) -> Plan:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     todo, complete = [], []
     identity = checkpoint.identity()
+    if checkpoint.config("transformer").get("quantization_config"):
+        # FP8: the compute policy decides the bytes too (W8A8 steps on GPUs), so it is part of the model.
+        identity = f"{identity}+fp8-{cfg.fp8_compute}"
     for r in requests:
         paths = outputs.paths_for(cfg.out, r.id, r.num_frames)
         key = output_key(r, identity, cfg.vae_tiling)
@@ -185,12 +188,20 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         with_layers=cfg.offload is OffloadMode.RESIDENT,
         vae_tiling=cfg.vae_tiling,
         tokenizer=plan.tokenizer,
+        fp8_compute=cfg.fp8_compute,
     )
     weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
-    writer = ResultWriter(cfg, plan.model_dir, metrics, plan.model_identity, rank=world.rank)
+    writer = ResultWriter(
+        cfg,
+        plan.model_dir,
+        metrics,
+        plan.model_identity,
+        rank=world.rank,
+        weights=weights_report(ctx.split.fp8),
+    )
     sync = PassSync(world.world_size, world.exchange_group)
     runner = PassRunner(
         ctx,
@@ -224,6 +235,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
     report = rank_report(world, runner, writer, gathers)
     report["signal"] = stop.name
+    report["weights"] = weights_report(ctx.split.fp8, calls=True)
     ranks = world.all_gather_object(report)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)

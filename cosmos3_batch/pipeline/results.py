@@ -48,6 +48,7 @@ class ResultWriter:
     metrics: MetricsWriter
     model_identity: str
     rank: int = 0
+    weights: dict | None = None  # weights_report(): the sidecar says which math made the output
     loop_started: float = field(default_factory=time.time)  # queue_s counts from here
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
@@ -129,6 +130,7 @@ class ResultWriter:
             **outputs.media_facts(result),
             "timings": {k: round(v, 6) for k, v in job.timings.items()},
             "model": str(self.model_dir),
+            "weights": self.weights,
             "versions": versions(),
         }
         outputs.write_json(paths.sidecar, sidecar)

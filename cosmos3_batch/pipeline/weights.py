@@ -8,6 +8,7 @@ from cosmos3_batch.dist import World
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
 from cosmos3_batch.engine.transport import Counters, OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, UND, layer_parts, part_index
+from cosmos3_batch.model.fp8 import Fp8Compute
 from cosmos3_batch.model.loading import Checkpoint
 
 # Two GEN slots and one UND slot (see engine/slots.py). Device memory for weights is
@@ -74,6 +75,17 @@ class OffloadedWeights:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def weights_report(fp8: Fp8Compute | None, calls: bool = False) -> dict:
+    """For the sidecar and the summary: the weights' format and the math that ran (FP8: the policy as
+    resolved on this device; with `calls`, how many linear calls ran each way, for the rank report)."""
+    if fp8 is None:
+        return {"format": "checkpoint dtype", "fp8_compute": None}
+    report = {"format": "fp8_e4m3", "fp8_compute": fp8.policy_name, "fp8_mode": fp8.mode}
+    if calls:
+        report.update(w8a16_calls=fp8.w8a16_calls, w8a8_calls=fp8.w8a8_calls)
+    return report
 
 
 def build_weights(layers: torch.nn.ModuleList, checkpoint: Checkpoint, mode: OffloadMode, world: World):
