@@ -19,6 +19,7 @@ from diffusers.pipelines.cosmos.mixed_precision import _w8a16_linear
 from safetensors.torch import load_file
 
 from cosmos3_batch.requests import Request
+from tests.reference import reference_kwargs
 
 FP8 = torch.float8_e4m3fn
 
@@ -53,16 +54,7 @@ def reference_latents(src: Path, fp8: Path | None, requests: list[Request]) -> d
             overrides = {} if r.flow_shift is None else {"flow_shift": r.flow_shift}
             pipe.scheduler = UniPCMultistepScheduler.from_config(base, **overrides)
             out[r.id] = pipe(
-                prompt=r.prompt,
-                negative_prompt=r.negative_prompt,
-                num_frames=r.num_frames,
-                height=r.height,
-                width=r.width,
-                fps=r.fps,
-                num_inference_steps=r.num_inference_steps,
-                guidance_scale=r.guidance_scale,
-                add_resolution_template=r.use_resolution_template,
-                add_duration_template=r.use_duration_template,
+                **reference_kwargs(r),
                 generator=torch.Generator("cpu").manual_seed(r.seed),
                 output_type="latent",
             ).video

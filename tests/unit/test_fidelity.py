@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
-from PIL import Image
 
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
 from cosmos3_batch.requests import load_requests
 from tests.conftest import write_jsonl
+from tests.reference import reference_kwargs
 
 SMALL = {"size": "48x32", "num_frames": 9, "num_inference_steps": 3}
 CASES = [
@@ -57,19 +57,7 @@ def reference(tiny_ckpt, requests_):
     out = {}
     for r in requests_:
         overrides = {} if r.flow_shift is None else {"flow_shift": r.flow_shift}
-        kwargs = dict(
-            prompt=r.prompt,
-            negative_prompt=r.negative_prompt,
-            image=Image.open(r.image) if r.image else None,
-            num_frames=r.num_frames,
-            height=r.height,
-            width=r.width,
-            fps=r.fps,
-            num_inference_steps=r.num_inference_steps,
-            guidance_scale=r.guidance_scale,
-            add_resolution_template=r.use_resolution_template,
-            add_duration_template=r.use_duration_template,
-        )
+        kwargs = reference_kwargs(r)
         results = []
         for output_type in ("latent", "np"):
             pipe.scheduler = UniPCMultistepScheduler.from_config(base, **overrides)

@@ -138,25 +138,28 @@ def test_a_blocked_write_does_not_hold_the_loop(tiny_ckpt):
     requests = _lines(
         [
             '{"id": "first", "prompt": "a", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}',
-            '{"id": "other", "prompt": "b", "num_frames": 1, "size": "32x32", "num_inference_steps": 12}',
+            '{"id": "other", "prompt": "b", "num_frames": 1, "size": "32x32", "num_inference_steps": 40}',
         ]
     )
     ctx = load_context(tiny_ckpt, torch.device("cpu"))
     released = threading.Event()
+    held_since: list[int] = []  # the pass count when the write began to be held
     passes_while_held = []
 
     def on_finished(job, result, error):
         if job.request.id == "first":
-            start = runner.passes
+            held_since.append(runner.passes)
             assert released.wait(timeout=60), "the loop stopped while a write was held"
-            passes_while_held.append(runner.passes - start)
+            passes_while_held.append(runner.passes - held_since[0])
 
     runner = PassRunner(ctx, ResidentWeights(ctx.layers), 2, on_finished)
     original_pass = runner._pass
 
     def counting_pass(active, und, prefill):
         original_pass(active, und, prefill)
-        if runner.passes >= 8:
+        # Released only once the loop has run 5 passes past the start of the held write ("other" has 40
+        # steps, so they exist); with a write that held the loop, this would never happen.
+        if held_since and runner.passes >= held_since[0] + 5:
             released.set()
 
     runner._pass = counting_pass

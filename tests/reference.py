@@ -1,0 +1,61 @@
+"""The reference pipeline's call for one of our requests (DESIGN.md §7), shared by the fidelity tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+from diffusers.utils import load_video
+from PIL import Image
+
+from cosmos3_batch.requests import Request
+
+
+def reference_kwargs(r: Request) -> dict:
+    """The reference call for one of our requests (DESIGN.md §7), mode fields included."""
+    kwargs = dict(
+        prompt=r.prompt,
+        negative_prompt=r.negative_prompt,
+        num_frames=r.num_frames,
+        height=r.height,
+        width=r.width,
+        fps=r.fps,
+        num_inference_steps=r.num_inference_steps,
+        guidance_scale=r.guidance_scale,
+        add_resolution_template=r.use_resolution_template,
+        add_duration_template=r.use_duration_template,
+        use_system_prompt=r.system_prompt,
+        enable_sound=r.sound,
+    )
+    if r.image is not None:
+        kwargs["image"] = Image.open(r.image)
+    if r.action is not None:
+        for key in ("num_frames", "height", "width", "image"):
+            kwargs.pop(key, None)  # the reference derives them from the action (and wants them unset)
+        return {**kwargs, "action": reference_action(r)}
+    if r.video is not None:
+        kwargs.update(
+            video=load_video(r.video),
+            condition_frame_indexes_vision=list(r.condition_frames),
+            condition_video_keep=r.condition_video_keep,
+        )
+    return kwargs
+
+
+def reference_action(r: Request) -> CosmosActionCondition:
+    """The action condition built straight from the request's inputs (not through our loader)."""
+    spec = r.action
+    if isinstance(spec.actions, str):
+        raw = torch.from_numpy(np.load(spec.actions))
+    else:
+        raw = torch.tensor(spec.actions, dtype=torch.float64) if spec.actions is not None else None
+    media = {"video": load_video(r.video)} if r.video is not None else {"image": Image.open(r.image)}
+    return CosmosActionCondition(
+        mode=spec.mode,
+        chunk_size=spec.chunk_size,
+        domain_name=spec.domain,
+        resolution_tier=spec.resolution_tier,
+        raw_actions=raw,
+        view_point=spec.viewpoint,
+        **media,
+    )
