@@ -30,6 +30,12 @@ FP8_COMPUTE_HELP = (
     "linear) on every step."
 )
 LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V kept until a slot frees)."
+SP_HELP = (
+    "Sequence parallelism: groups of S consecutive ranks share each request, its GEN tokens split over "
+    "them (Ulysses all-to-all over heads around attention). S must divide the ranks and the attention "
+    "heads, and divide or be a multiple of the key/value heads. Lower latency per long clip; plain data "
+    "parallelism (1, the default) gives more outputs per GPU-hour."
+)
 
 
 @app.command()
@@ -101,6 +107,7 @@ def run(
         ),
     ] = None,
     fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
+    sp: Annotated[int, typer.Option("--sp", help=SP_HELP)] = 1,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
     130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
@@ -128,6 +135,7 @@ def run(
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
             batch_branches=batch_branches,
             fp8_compute=fp8_compute,
+            sp=sp,
         )
         code, line = run_job(cfg)
     except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract

@@ -37,6 +37,7 @@ class RunConfig:
     # When the world fetches the UND halves (DESIGN.md §4, prefill.py).
     prefill: PrefillRule = field(default_factory=PrefillRule)
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
+    sp: int = 1  # sequence-parallel group size (DESIGN.md §11): each request's GEN tokens over S ranks
 
     @property
     def tag(self) -> str:
@@ -46,6 +47,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
+        if self.sp < 1:
+            raise ValueError(f"--sp must be >= 1, got {self.sp}")
         if self.max_vision_tokens < 1:
             raise ValueError(f"--max-vision-tokens must be >= 1, got {self.max_vision_tokens}")
         if self.collective_timeout_s <= 0:

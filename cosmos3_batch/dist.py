@@ -41,6 +41,7 @@ class World:
     main_group: object | None = None
     gather_group: object | None = None
     exchange_group: object | None = None
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -108,7 +109,10 @@ def init_world(device_choice: str, timeout_s: float) -> World:
     exchange_group = (
         dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     )
-    return World(rank, world_size, local_rank, device, dist.group.WORLD, gather_group, exchange_group)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return World(
+        rank, world_size, local_rank, device, dist.group.WORLD, gather_group, exchange_group, local_world_size
+    )
 
 
 def teardown(world: World) -> None:

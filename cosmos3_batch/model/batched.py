@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split, _apply_rotary, _attention
+from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split, _apply_rotary, _attention, gen_attention
 
 
 def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -69,15 +69,11 @@ def gen_layer_batched(
     rot = _cat_rotary(seqs, "rot_gen")
     q = _apply_rotary(attn.norm_added_q(q), rot)
     k = _apply_rotary(attn.norm_added_k(k), rot)
-    outs = []
-    for seq, q_s, k_s, v_s in zip(seqs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
-        # Per sequence: its own UND prefix + its own GEN tokens, the same call gen_layer makes.
-        k_und, v_und = seq.und_kv[layer_index]
-        outs.append(
-            _attention(
-                attn, q_s, torch.cat([k_und, k_s], dim=0), torch.cat([v_und, v_s], dim=0), causal=False
-            )
-        )
+    # Per sequence: its own UND prefix + its own GEN tokens, the same call gen_layer makes.
+    outs = [
+        gen_attention(attn, seq, q_s, k_s, v_s, layer_index)
+        for seq, q_s, k_s, v_s in zip(seqs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True)
+    ]
     residual = hidden + attn.to_add_out(torch.cat(outs))
     out = residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
     # Written only now (a failed batch leaves every branch as it was, so the caller can retry per branch).

@@ -15,9 +15,14 @@ knows about ranks or offload: a layer is whatever module the caller hands in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+if TYPE_CHECKING:
+    from cosmos3_batch.model.ulysses import SeqShard
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, head_dim], already unsqueezed per head
 
@@ -32,7 +37,8 @@ class BranchSeq:
     rot_gen: Rotary
     mse_rows: torch.Tensor  # rows of the GEN stream whose predictions the head reads
     und_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer (K for GEN, V)
-    gen_hidden: torch.Tensor | None = None  # [gen_len, hidden] during a pass
+    gen_hidden: torch.Tensor | None = None  # [gen_len, hidden] during a pass (this rank's rows under --sp)
+    shard: SeqShard | None = None  # --sp: the GEN rows this rank holds (rot_gen is cut to them too)
 
     @property
     def needs_und(self) -> bool:
@@ -66,6 +72,15 @@ def _attention(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
         parallel_config=processor._parallel_config,
     )
     return out.squeeze(0).flatten(-2, -1)
+
+
+def gen_attention(attn, seq: BranchSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int):
+    """A branch's GEN tokens attending to its cached UND K/V of this layer and to each other; under --sp
+    the rows are this rank's and Ulysses (model/ulysses.py) brings it the whole sequence for its heads."""
+    k_und, v_und = seq.und_kv[layer_index]
+    if seq.shard is not None:
+        return seq.shard.attend(partial(_attention, attn, causal=False), q, k, v, k_und, v_und)
+    return _attention(attn, q, torch.cat([k_und, k], dim=0), torch.cat([v_und, v], dim=0), causal=False)
 
 
 class Cosmos3Split:
@@ -157,8 +172,7 @@ class Cosmos3Split:
         v = attn.add_v_proj(x).view(-1, attn.num_key_value_heads, attn.head_dim)
         q = _apply_rotary(attn.norm_added_q(q), seq.rot_gen)
         k = _apply_rotary(attn.norm_added_k(k), seq.rot_gen)
-        k_und, v_und = seq.und_kv[layer_index]
-        out = _attention(attn, q, torch.cat([k_und, k], dim=0), torch.cat([v_und, v], dim=0), causal=False)
+        out = gen_attention(attn, seq, q, k, v, layer_index)
         residual = hidden + attn.to_add_out(out)
         seq.gen_hidden = residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
 

@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 
 
 class PartApplier:
-    def __init__(self, split: Cosmos3Split, batched: bool, max_rows: int | None = None):
+    def __init__(self, split: Cosmos3Split, batched: bool, max_rows: int | None = None, strict: bool = False):
         self.split = split
         self.batched = batched
+        # strict (--sp): a compute error is raised, not kept per request, since the group's other ranks are
+        # waiting for this rank's all-to-alls of that request.
+        self.strict = strict
         self.max_rows = max_rows  # rows per batched group; None: all of a rank's branches together
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
 
@@ -65,6 +68,8 @@ class PartApplier:
                     und_layer_batched(self.split, layer, group, is_last)
                     self.und_runs += len(group)
             except Exception:
+                if self.strict:
+                    raise
                 # The batched halves write nothing until all is computed: redo the group branch by branch,
                 # so only the request that really fails is marked failed.
                 for branch in group:
@@ -80,6 +85,8 @@ class PartApplier:
                 self.split.und_layer(layer, branch, is_last)
                 self.und_runs += 1
         except Exception as exc:
+            if self.strict:
+                raise
             job.error = f"{type(exc).__name__}: {exc}"
 
 

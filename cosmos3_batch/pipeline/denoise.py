@@ -16,10 +16,13 @@ from PIL import Image
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
+from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
+from cosmos3_batch.sequence_parallel import check_model, shard_rows
 
 if TYPE_CHECKING:
+    from cosmos3_batch.pipeline.seq_group import SeqGroup
     from cosmos3_batch.requests import Request
 
 
@@ -66,10 +69,14 @@ def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
 
 
 class RequestJob:
-    def __init__(self, ctx: ModelContext, request: Request, und_cache: bool = True):
+    def __init__(
+        self, ctx: ModelContext, request: Request, und_cache: bool = True, sp: SeqGroup | None = None
+    ):
         self.ctx = ctx
         self.request = request
         self.und_cache = und_cache
+        # --sp: every rank of the group runs this same job on its slice of the GEN rows (model/ulysses.py).
+        self.sp = sp
         self.branches: list[BranchSeq] = []
         self.streams: list[ExtraStream] = []  # sound / action tokens after the vision tokens in the GEN half
         self.step_index = 0
@@ -228,12 +235,18 @@ class RequestJob:
         position_ids = torch.cat(mrope, dim=1)
         rot_und, rot_gen = split.rotary(position_ids, und_len, device)
         text_hidden = split.embed_text(text["input_ids"], device)
+        shard = None
+        if self.sp is not None:  # this rank's GEN rows; the UND half stays whole (replicated in the group)
+            heads = check_model(self.sp.size, split.config)
+            shard = SeqShard(self.sp, shard_rows(curr - und_len, self.sp.size), heads)
+            rot_gen = (rot_gen[0][shard.local], rot_gen[1][shard.local])
         return BranchSeq(
             und_hidden=text_hidden,
             text_hidden=text_hidden,
             rot_und=rot_und,
             rot_gen=rot_gen,
             mse_rows=vision["vision_mse_loss_indexes"] - und_len,
+            shard=shard,
         )
 
     def _scheduler(self):
@@ -270,7 +283,9 @@ class RequestJob:
             ]
             hidden = torch.cat([hidden, *extra], dim=0)
         for branch in self.branches:
-            branch.gen_hidden = hidden
+            # Under --sp every rank embeds the whole stream (cheap, and the same op as the reference) and
+            # keeps its rows.
+            branch.gen_hidden = hidden if branch.shard is None else hidden[branch.shard.local]
 
     def finish_step(self) -> None:
         """Heads, condition masks, CFG combine and this request's own scheduler step, per modality."""
@@ -296,6 +311,8 @@ class RequestJob:
 
     def _velocities(self, branch: BranchSeq) -> dict[str, torch.Tensor]:
         split, layout = self.ctx.split, self.layout
+        if branch.shard is not None:  # the heads read rows by their index in the whole stream
+            branch.gen_hidden = branch.shard.gather(branch.gen_hidden)
         normed = split.final_norm(branch)
         vision = split.vision_head(
             normed, branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes

@@ -28,11 +28,13 @@ from cosmos3_batch.pipeline.context import build_helper, load_context, load_toke
 from cosmos3_batch.pipeline.denoise import tokenize
 from cosmos3_batch.pipeline.results import ResultWriter, output_key
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
+from cosmos3_batch.pipeline.seq_group import build_seq_group
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import build_summary, describe_summary, preview, rank_report, summary_name
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.schedule import assign, in_shard
+from cosmos3_batch.sequence_parallel import check_model, check_world, spans_nodes
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -95,6 +97,10 @@ def plan_run(cfg: RunConfig) -> Plan:
             str(cfg.prompts), limits_for(checkpoint, cfg.max_vision_tokens), skip_invalid=True
         )
     except (CheckpointError, RequestFileError) as exc:
+        raise BadInput(str(exc)) from exc
+    try:  # --sp must fit the model's heads: a config fact, so checked before anything else is read
+        check_model(cfg.sp, checkpoint.config("transformer"))
+    except ValueError as exc:
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
@@ -161,6 +167,10 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     started = time.time()
     _quiet_other_ranks(world)
     plan = plan_run(cfg)
+    try:
+        groups = check_world(cfg.sp, world.world_size)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
     ids = {r.id for r in plan.requests}
     if world.is_main:
         state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
@@ -180,7 +190,15 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         outputs.pin_encoder()
     except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
         raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
-    mine = assign(plan.requests, world.world_size).queues[world.rank]
+    # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
+    mine = assign(plan.requests, groups).queues[world.rank // cfg.sp]
+    backend = "nccl" if world.device.type == "cuda" else "gloo"
+    seq_group = build_seq_group(world.rank, world.world_size, cfg.sp, backend, cfg.collective_timeout_s)
+    if world.is_main and spans_nodes(cfg.sp, world.local_world_size):
+        log.warning(
+            "--sp %d does not divide the %d ranks per node: some groups' all-to-alls cross nodes",
+            cfg.sp, world.local_world_size,
+        )  # fmt: skip
     checkpoint = Checkpoint.open(plan.model_dir)
     ctx = load_context(
         plan.model_dir,
@@ -214,6 +232,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         stop=stop,
         rule=cfg.prefill,
         batch_branches=cfg.batch_branches,
+        sp=seq_group,
     )
     try:
         runner.run(mine)

@@ -37,6 +37,7 @@ from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
+    from cosmos3_batch.pipeline.seq_group import SeqGroup
     from cosmos3_batch.requests import Request
 
 # on_finished(job, result, error): exactly one of result / error is set.
@@ -78,19 +79,23 @@ class PassSync:
     """The one collective per pass. Also keeps a trace of every collective this rank issues.
 
     The group is a host (gloo) group on every backend: seven integers need no device, and a device tensor
-    here would cost two device syncs per pass (the copy in and `.tolist()`)."""
+    here would cost two device syncs per pass (the copy in and `.tolist()`).
+
+    Two traces: every collective this rank issues (with --sp, its group's all-to-alls too: equal within a
+    group), and the world-wide ones alone (the all-reduce and the part fetches: equal on every rank)."""
 
     def __init__(self, world_size: int = 1, group=None):
         self.world_size = world_size
         self.group = group
         self.all_reduces = 0
         self._trace = hashlib.sha256()
+        self._world_trace = hashlib.sha256()
 
     def exchange(
         self, active: int, slots: SlotReport, needs_und: bool, finished: int, stop: bool = False
     ) -> Exchanged:
         self.all_reduces += 1
-        self.note("all_reduce:7")
+        self.note_world("all_reduce:7")
         values = [active, slots.starved, slots.overdue, slots.pending, int(needs_und), finished, int(stop)]
         if self.world_size > 1:
             tensor = torch.tensor(values, dtype=torch.int64)
@@ -102,9 +107,17 @@ class PassSync:
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")
 
+    def note_world(self, event: str) -> None:
+        self.note(event)
+        self._world_trace.update(event.encode() + b";")
+
     @property
     def trace_digest(self) -> str:
         return self._trace.hexdigest()
+
+    @property
+    def world_trace_digest(self) -> str:
+        return self._world_trace.hexdigest()
 
 
 class PassRunner:
@@ -120,6 +133,7 @@ class PassRunner:
         stop: StopRequest | None = None,
         rule: PrefillRule | None = None,
         batch_branches: bool | None = None,
+        sp: SeqGroup | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -139,7 +153,14 @@ class PassRunner:
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         if batch_branches is None:  # batched where it keeps the bits (nowhere on CPU), else per branch
             batch_branches = batch_by_default(ctx.device, ctx.split.dtype)
-        self._apply = PartApplier(ctx.split, batch_branches)
+        # --sp: the ranks of a group run the same requests in lockstep; the group's first rank speaks for
+        # it in the exchange and alone decodes, writes and reports. A compute error there would leave the
+        # others waiting in an all-to-all, so it ends the job (as a dead rank does) instead of one request.
+        self.sp = sp
+        self.leads = sp is None or sp.leads
+        if sp is not None:
+            sp.note = self.sync.note
+        self._apply = PartApplier(ctx.split, batch_branches, strict=sp is not None)
         self.totals = Counters()
         self.started = time.perf_counter()  # the timeline's zero
         self.timeline: list[PassRecord] = []  # one small record per pass, for the run report
@@ -166,21 +187,26 @@ class PassRunner:
     def _loop(self, queue: deque) -> None:
         slots = RankSlots(queue, self.max_active, self.rule)
         active: list[RequestJob] = []
-        world_slots = self.sync.world_size * self.max_active
+        groups = self.sync.world_size // (1 if self.sp is None else self.sp.size)
+        world_slots = groups * self.max_active  # an --sp group's slots count once
         while True:
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
             report = slots.report(len(active))
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
             with self._count_lock:
                 mine, self._reported = self._reported, 0
-            world = self.sync.exchange(len(active), report, local_und, mine, self.stop.requested)
+            if self.leads:
+                world = self.sync.exchange(len(active), report, local_und, mine, self.stop.requested)
+            else:  # the group's state is counted once, by its first rank; a signal counts from any rank
+                world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, self.stop.requested)
             if self.on_progress is not None and world.finished > mine:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
                 self.interrupted = True
-                # Prefilled-ahead requests never took a step: like the queued ones, they were not started.
-                self.abandoned = active
-                self.not_started = [job.request for job in slots.ready] + list(slots.queue)
+                if self.leads:  # a group's requests are on record once
+                    # Prefilled-ahead requests never took a step: like the queued ones, not started.
+                    self.abandoned = active
+                    self.not_started = [job.request for job in slots.ready] + list(slots.queue)
                 return
             if world.active == 0 and world.pending == 0:
                 return
@@ -209,11 +235,11 @@ class PassRunner:
     def _admit(self, requests: list[Request]) -> list[RequestJob]:
         admitted = []
         for request in requests:
-            job = RequestJob(self.ctx, request, und_cache=self.und_cache)
+            job = RequestJob(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
             try:
                 job.prepare()
-            except Exception as exc:  # a bad request must not take the job down
-                self.finisher.fail(job, _describe(exc))
+            except Exception as exc:  # a bad request must not take the job down (the same on every
+                self._fail(job, _describe(exc))  # rank of an --sp group: its inputs are the same files)
                 continue
             admitted.append(job)
         return admitted
@@ -222,7 +248,7 @@ class PassRunner:
         ok = []
         for job in jobs:
             if job.error is not None:
-                self.finisher.fail(job, job.error)
+                self._fail(job, job.error)
             else:
                 ok.append(job)
         return ok
@@ -233,6 +259,8 @@ class PassRunner:
             try:
                 job.begin_step()
             except Exception as exc:
+                if self.sp is not None:
+                    raise
                 self.finisher.fail(job, _describe(exc))
                 continue
             ok.append(job)
@@ -246,9 +274,9 @@ class PassRunner:
         prefilling = active + prefill
         for index in range(split.num_layers):
             if und_flag:
-                self.sync.note(f"part:{index}.{UND}")
+                self.sync.note_world(f"part:{index}.{UND}")
                 self._apply(prefilling, weights.layer(index, UND), index, UND)
-            self.sync.note(f"part:{index}.{GEN}")
+            self.sync.note_world(f"part:{index}.{GEN}")
             self._apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
         ended = time.perf_counter()
@@ -279,21 +307,28 @@ class PassRunner:
         still = []
         for job in active:
             if job.error is not None:
-                self.finisher.fail(job, job.error)
+                self._fail(job, job.error)
                 continue
             try:
                 job.finish_step()
             except Exception as exc:
+                if self.sp is not None:
+                    raise
                 self.finisher.fail(job, _describe(exc))
                 continue
             if job.done:
                 # Only the latents are needed from here: drop the UND caches and GEN streams now, so
                 # device memory does not grow with the decode backlog.
                 job.branches = []
-                self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
+                if self.leads:
+                    self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
             else:
                 still.append(job)
         return still
+
+    def _fail(self, job: RequestJob, error: str) -> None:
+        if self.leads:
+            self.finisher.fail(job, error)
 
 
 def _describe(exc: BaseException) -> str:

@@ -39,7 +39,10 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "all_reduces": runner.sync.all_reduces,
         "gathers": totals.fetches if world.distributed and gathers else 0,
         "fetches": totals.fetches,
-        "collective_trace": runner.sync.trace_digest,
+        "collective_trace": runner.sync.trace_digest,  # with --sp: equal within a group
+        "world_trace": runner.sync.world_trace_digest,  # the all-reduce and part fetches: equal everywhere
+        "sp_group": runner.sp.index if runner.sp is not None else world.rank,
+        "all_to_alls": runner.sp.all_to_alls if runner.sp is not None else 0,
         "abandoned": [job.request.id for job in runner.abandoned],
         "not_started": len(runner.not_started),
         "h2d_bytes": totals.h2d_bytes,
@@ -76,6 +79,7 @@ def build_summary(
             "max_active": cfg.max_active,
             "offload": cfg.offload.value,
             "world_size": world.world_size,
+            "sp": cfg.sp,
             "device": str(world.device),
         },
         "versions": versions(),
