@@ -176,6 +176,7 @@ def plan(
     ] = RULE.free_share,
     prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = RULE.max_wait,
     prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = RULE.lookahead,
+    sp: Annotated[int, typer.Option("--sp", help="As `run --sp`: plan groups of S ranks per request.")] = 1,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
@@ -187,7 +188,7 @@ def plan(
     try:
         rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead)
         doc, text = planner.plan_job(
-            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule
+            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp
         )
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -25,6 +25,7 @@ from cosmos3_batch.pipeline.weights import LANE_SLOTS
 from cosmos3_batch.prefill import PrefillRule
 from cosmos3_batch.requests import Request
 from cosmos3_batch.schedule import assign, gen_tokens
+from cosmos3_batch.sequence_parallel import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.simulator import PartBytes, SimRequest, Simulation, simulate
 
 GB = 1e9
@@ -140,6 +141,9 @@ class Estimate:
     job_hours: float
     idle_share: float
     warnings: list[str]
+    sp: int = 1  # --sp: ranks per sequence-parallel group
+    all_to_all_bytes_per_pass: int = 0  # sent by one rank (--sp)
+    all_to_all_s_per_pass: float = 0.0  # included in seconds_per_pass (on the compute stream, not overlapped)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,6 +159,7 @@ def estimate(
     max_active: int,
     hw: Hardware,
     lookahead: int = 0,
+    sp: int = 1,
 ) -> Estimate:
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
@@ -172,23 +177,36 @@ def estimate(
     activations = _activation_bytes(shape, active + ahead)
     h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
     sequences = branches * max_active if typical else 0
-    pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, (sequences, gen_len, und))
+    work = (sequences, gen_len, und)
+    pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, work, sp)
+    groups = world_size // sp
+    a2a = SpCost(activations, 0, 0.0)
+    if sp > 1:  # a group of S holds K requests; each rank 1/S of their GEN rows, all of their UND K/V
+        a2a_gbps = hw.gather_gbps if not spans_nodes(sp, per_node) else hw.inter_node_gbps
+        dims = dict(
+            hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            intermediate=shape.intermediate,
+        )  # fmt: skip
+        held = branches * (len(active) + len(ahead))
+        a2a = sp_cost(dims, sp, (*work, held), shape.layers, shape.act_bytes, a2a_gbps)
+        activations, pass_s = a2a.activation_bytes, pass_s + a2a.all_to_all_s
     host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
     device = shape.device_resident_bytes + shape.vae_bytes + activations
     lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
     slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
     device += layer_bytes if mode is OffloadMode.RESIDENT else slots
     device += shards if mode is OffloadMode.SHARDED else 0
-    assignment = assign(requests, world_size)
+    assignment = assign(requests, groups)
     token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
     busiest = max(assignment.costs, default=0.0)
     job_hours = busiest / token_steps_per_s / 3600 if token_steps_per_s else 0.0
     steps = typical.num_inference_steps if typical else 1
-    outputs_per_hour = world_size * max_active * 3600 / (steps * pass_s) if pass_s > 0 else 0.0
+    outputs_per_hour = groups * max_active * 3600 / (steps * pass_s) if pass_s > 0 else 0.0
     est = Estimate(
         world_size, nnodes, mode.value, max_active, slot, slots, layer_bytes, host_private,
         layer_bytes if mode is OffloadMode.LOCAL else 0,
         device, activations, h2d, gathered, pass_s, outputs_per_hour, job_hours, assignment.idle_share, [],
+        sp, a2a.all_to_all_bytes, a2a.all_to_all_s,
     )  # fmt: skip
     est.warnings = _warnings(est, per_node, hw)
     return est
@@ -213,8 +231,10 @@ def _seconds_per_pass(
     job: tuple[int, int],
     hw: Hardware,
     work: tuple[int, int, int],
+    sp: int = 1,
 ) -> float:
-    """job = (world size, nodes); work = (sequences per rank, GEN tokens each, UND tokens each)."""
+    """job = (world size, nodes); work = (sequences per rank, GEN tokens each, UND tokens each); under --sp
+    each rank of a group computes 1/S of it (its rows for the token-wise ops, its heads in attention)."""
     (world, nnodes), (sequences, gen, und) = job, work
     gather_bw = hw.gather_gbps if nnodes == 1 else min(hw.gather_gbps, hw.inter_node_gbps)
     # Per sequence: QK^T and PV over UND+GEN keys, 2 FLOPs per multiply-add each.
@@ -222,7 +242,7 @@ def _seconds_per_pass(
     total = 0.0
     for part in gen_parts:
         params = sum(p.spec.nbytes // p.spec.dtype.itemsize for p in part.params)  # FP8: 1 byte each
-        compute = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12)
+        compute = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12) / sp
         h2d, gathered = _bytes_per_pass([part], mode, world)
         fetch = h2d / (hw.h2d_gbps * GB) + gathered / (gather_bw * GB)
         total += max(compute, fetch)
@@ -265,47 +285,6 @@ def prompt_tokens(checkpoint: Checkpoint, requests: list[Request]) -> dict[str, 
     return tokens
 
 
-def describe(est: Estimate) -> str:
-    rows = [
-        (
-            "ranks x nodes",
-            f"{est.world_size} x {est.nnodes}  (--offload {est.mode}, --max-active {est.max_active})",
-        ),
-        ("layer weights (padded)", _size(est.layer_bytes)),
-        ("host private per rank", f"{_size(est.host_private_bytes_per_rank)} (shards + embeddings)"),
-        ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
-        (
-            "device per rank",
-            f"{_size(est.device_bytes_per_rank)} (weight slots: {_size(est.slots_bytes)}, 2 GEN + 1 UND)",
-        ),
-        (
-            "  of which activations",
-            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active + UND K/V prefilled ahead",
-        ),
-        (
-            "per pass per rank",
-            f"{_size(est.bytes_h2d_per_pass)} H2D, {_size(est.bytes_gathered_per_pass)} gathered",
-        ),
-    ]
-    if resolvable(est):
-        rows += [
-            ("seconds per pass", f"{est.seconds_per_pass:.3f} (roofline)"),
-            ("outputs per hour", f"{est.outputs_per_hour:,.1f} (whole job, typical request)"),
-            ("job time", f"{est.job_hours:.2f} h (busiest rank), idle share {est.idle_share:.1%}"),
-        ]
-    else:
-        rows.append(
-            (
-                "seconds per pass",
-                f"below {MIN_PASS_S * 1e3:g} ms: too small a model for the roofline to predict a time",
-            )
-        )
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-    lines += [f"WARNING: {w}" for w in est.warnings]
-    return "\n".join(lines)
-
-
 def simulate_job(
     queues: list[list[Request]],
     max_active: int,
@@ -327,34 +306,10 @@ def simulate_job(
     return simulate(sim_queues, max_active, rule, parts)
 
 
-def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, with_bytes: bool) -> str:
-    rule_text = (
-        f"--prefill-free-share {rule.free_share:g} --prefill-max-wait {rule.max_wait} "
-        f"--prefill-lookahead {rule.lookahead}, --max-active {max_active}"
-    )
-    lines = [
-        f"simulated passes        {sim.passes:,} ({sim.und_passes:,} UND passes; {rule_text})",
-        f"mean slot occupancy     {sim.occupancy:.1%}",
-    ]
-    if with_bytes:
-        lines += [
-            f"weight bytes per output {_size(sim.bytes_per_output)} (UND halves: {sim.und_byte_share:.1%})",
-            f"weight bytes per rank   {_size(sim.bytes_per_rank)} over the run",
-        ]
-    return "\n".join(lines)
-
-
 def resolvable(est: Estimate) -> bool:
     """Below a millisecond per pass the roofline says nothing true (launch and Python overheads dominate):
     print no throughput then rather than billions of outputs per hour."""
     return est.seconds_per_pass >= MIN_PASS_S
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
@@ -379,9 +334,11 @@ def plan_job(
     shard: str | None = None,
     max_vision_tokens: int = 65536,
     rule: PrefillRule | None = None,
+    sp: int = 1,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
     rule = rule if rule is not None else PrefillRule()
+    from cosmos3_batch import plan_text
     from cosmos3_batch.config import parse_offload
     from cosmos3_batch.pipeline.job import limits_for
     from cosmos3_batch.requests import ModelLimits, load_requests
@@ -391,7 +348,10 @@ def plan_job(
     if nproc < 1 or nnodes < 1 or nproc % nnodes:
         raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
     mode = parse_offload(offload)
+    groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
     checkpoint = Checkpoint.open(model) if model is not None else None
+    if checkpoint is not None:
+        check_model(sp, checkpoint.config("transformer"))
     limits = (
         limits_for(checkpoint, max_vision_tokens)
         if checkpoint
@@ -401,8 +361,9 @@ def plan_job(
     if shard is not None:
         index, count = parse_shard(shard)
         requests = [r for r in requests if in_shard(r.id, index, count)]
-    assignment = assign(requests, nproc)
+    assignment = assign(requests, groups)
     doc: dict = {
+        "sp": sp,
         "requests": len(requests),
         "ranks": [
             {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
@@ -411,21 +372,26 @@ def plan_job(
         "predicted_idle_share": assignment.idle_share,
         "total_work": sum(assignment.costs),
     }
-    text = [f"{len(requests)} valid requests on {nproc} rank(s); work in GEN-token x steps x branches"]
+    where = (
+        f"{nproc} rank(s)"
+        if sp == 1
+        else f"{nproc} ranks in {groups} --sp {sp} groups (a group is a rank below)"
+    )
+    text = [f"{len(requests)} valid requests on {where}; work in GEN-token x steps x branches"]
     text.append(describe_schedule(assignment))
     shape = model_shape(checkpoint, nproc, torch.bfloat16) if checkpoint is not None else None
     sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
     doc["simulation"] = sim.to_dict()
-    text += ["", describe_simulation(sim, rule, max_active, shape is not None)]
+    text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
     if shape is not None:
         doc["weights"] = weight_format(checkpoint, shape)
         text.append(f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB")
         tokens = prompt_tokens(checkpoint, requests)
-        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead)
+        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
         doc["estimate"] = est.to_dict()
         if not resolvable(est):
             doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
-        text += ["", describe(est)]
+        text += ["", plan_text.describe(est)]
     else:
         text.append(
             "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
