@@ -1,0 +1,156 @@
+"""`--sp S` in real `torchrun` jobs with gloo on CPU: bit-exact against `Cosmos3OmniPipeline.__call__` in
+every offload mode, collectives identical within each group and the world-wide ones identical on every
+rank, the pass count the simulator predicted, and a killed rank ending the job."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from cosmos3_batch.cli import app
+from cosmos3_batch.model.tiny import TinySpec, write_tiny
+from cosmos3_batch.requests import load_requests
+from tests.conftest import write_jsonl
+from tests.dist.test_runs import ENV, _free_port, torchrun
+from tests.reference import reference_kwargs
+
+pytestmark = pytest.mark.dist
+
+# GEN rows: long 3x4x8 = 96 (split over 4 ranks: 24 each), mid 2x3x4 = 24 and sq 16 (one shard: fewer rows
+# than two minimum shards), img 1 (zero rows on every rank but the first). Images and videos, CFG on and
+# off, 1-3 steps, a flow_shift override.
+ROWS = [
+    {"id": "long", "prompt": "a cat", "size": "256x128", "num_frames": 9, "num_inference_steps": 3,
+     "guidance_scale": 6.0},
+    {"id": "img", "prompt": "snow", "size": "32x32", "num_inference_steps": 2, "guidance_scale": 1.0},
+    {"id": "mid", "prompt": "ocean waves", "size": "128x96", "num_frames": 5, "num_inference_steps": 2,
+     "guidance_scale": 4.0, "flow_shift": 2.0},
+    {"id": "sq", "prompt": "a street", "size": "128x128", "num_inference_steps": 1, "guidance_scale": 6.0},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory):
+    """8 query heads, 2 KV heads: --sp 2 divides both, --sp 4 repeats each KV head over 2 ranks."""
+    return write_tiny(tmp_path_factory.mktemp("ckpt8") / "tiny8", TinySpec(heads=8, kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("sp") / "mix.jsonl", ROWS)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny8, prompts):
+    """Latents of `Cosmos3OmniPipeline.__call__` per request, at torchrun's one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = Cosmos3OmniPipeline.from_pretrained(tiny8)
+        pipe.set_progress_bar_config(disable=True)
+        base = dict(pipe.scheduler.config)
+        out = {}
+        for r in load_requests(str(prompts))[0]:
+            overrides = {} if r.flow_shift is None else {"flow_shift": r.flow_shift}
+            pipe.scheduler = UniPCMultistepScheduler.from_config(base, **overrides)
+            generator = torch.Generator("cpu").manual_seed(r.seed)
+            out[r.id] = pipe(**reference_kwargs(r), generator=generator, output_type="latent").video
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def plan_passes(prompts, ckpt, world: int, sp: int, mode: str) -> dict:
+    args = ["plan", str(prompts), "--model", str(ckpt), "--nproc", str(world), "--sp", str(sp)]
+    result = CliRunner().invoke(app, [*args, "--offload", mode, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["simulation"]
+
+
+@pytest.mark.parametrize(
+    ("world", "sp", "mode"),
+    [
+        (2, 2, "allgather"),
+        (4, 2, "allgather"),
+        (4, 4, "allgather"),
+        (2, 2, "local"),
+        (4, 2, "local"),
+        (4, 4, "local"),
+        (2, 2, "resident"),
+        (2, 2, "sharded"),
+    ],
+)
+def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, world, sp, mode):
+    out = tmp_path / "out"
+    args = [prompts, "--model", tiny8, "--out", out, "--sp", sp, "--offload", mode, "--save-latents"]
+    proc = torchrun(world, *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rid, expected in reference.items():
+        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
+    summary = json.loads((out / "summary.json").read_text())
+    ranks = summary["ranks"]
+    assert summary["generated_ok"] == len(ROWS) and summary["config"]["sp"] == sp
+    # World-wide: the same all-reduces and part fetches on every rank.
+    for key in ("passes", "und_passes", "all_reduces", "gathers", "fetches", "world_trace"):
+        assert len({r[key] for r in ranks}) == 1, (key, [r[key] for r in ranks])
+    groups = [ranks[g * sp : (g + 1) * sp] for g in range(world // sp)]
+    for g, members in enumerate(groups):
+        assert [r["sp_group"] for r in members] == [g] * sp
+        # Within a group: every collective, all-to-alls included, in the same order.
+        assert len({r["collective_trace"] for r in members}) == 1
+        assert len({r["all_to_alls"] for r in members}) == 1
+        assert all(r["ok"] == 0 for r in members[1:])  # the first rank alone writes and reports
+    assert sum(members[0]["all_to_alls"] for members in groups) > 0
+    # Rows of metrics.csv: one per request, however many ranks ran it.
+    lines = (out / "metrics.csv").read_text().splitlines()[1:]
+    assert sorted(line.split(",")[0] for line in lines) == sorted(r["id"] for r in ROWS)
+    sim = plan_passes(prompts, tiny8, world, sp, mode)
+    assert (sim["passes"], sim["und_passes"]) == (ranks[0]["passes"], ranks[0]["und_passes"])
+
+
+def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):
+    rows = [
+        {"id": f"k{i}", "prompt": "x", "size": "128x128", "num_frames": 5, "num_inference_steps": 30}
+        for i in range(4)
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny8)]
+    cmd += [
+        "--out",
+        str(out),
+        "--sp",
+        "2",
+        "--max-active",
+        "1",
+        "--no-progress",
+        "--collective-timeout-s",
+        "20",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while not list(out.glob("k*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(out.glob("k*.json")), "no request finished before the kill"
+    procs[1].send_signal(signal.SIGKILL)  # the group's second rank, mid-request: its leader waits on it
+    killed_at = time.monotonic()
+    stderr = procs[0].communicate(timeout=120)[1]
+    assert procs[0].returncode != 0
+    assert time.monotonic() - killed_at < 90
+    assert "peer rank died" in stderr
+    procs[1].wait()
