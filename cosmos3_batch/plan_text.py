@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cosmos3_batch.planner import MIN_PASS_S, resolvable
-
 if TYPE_CHECKING:
     from cosmos3_batch.planner import Estimate
     from cosmos3_batch.prefill import PrefillRule
     from cosmos3_batch.simulator import Simulation
+
+MIN_PASS_S = 1e-3  # the roofline cannot resolve faster passes
+
+
+def resolvable(est: Estimate) -> bool:
+    """Below a millisecond per pass the roofline says nothing true (launch and Python overheads dominate):
+    print no throughput then rather than billions of outputs per hour."""
+    return est.seconds_per_pass >= MIN_PASS_S
 
 
 def describe(est: Estimate) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from cosmos3_batch import plan_text
 from cosmos3_batch.engine.host import CheckpointFileError
 from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
 from cosmos3_batch.engine.offload import slot_sizes
@@ -30,7 +31,6 @@ from cosmos3_batch.simulator import PartBytes, SimRequest, Simulation, simulate
 
 GB = 1e9
 IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
-MIN_PASS_S = 1e-3  # the roofline cannot resolve faster passes
 
 
 @dataclass(frozen=True)
@@ -303,13 +303,7 @@ def simulate_job(
         [SimRequest(r.id, r.num_inference_steps, 1 if r.guidance_scale == 1.0 else 2) for r in queue]
         for queue in queues
     ]
-    return simulate(sim_queues, max_active, rule, parts)
-
-
-def resolvable(est: Estimate) -> bool:
-    """Below a millisecond per pass the roofline says nothing true (launch and Python overheads dominate):
-    print no throughput then rather than billions of outputs per hour."""
-    return est.seconds_per_pass >= MIN_PASS_S
+    return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))
 
 
 def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
@@ -338,7 +332,6 @@ def plan_job(
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
     rule = rule if rule is not None else PrefillRule()
-    from cosmos3_batch import plan_text
     from cosmos3_batch.config import parse_offload
     from cosmos3_batch.pipeline.job import limits_for
     from cosmos3_batch.requests import ModelLimits, load_requests
@@ -389,7 +382,7 @@ def plan_job(
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
         doc["estimate"] = est.to_dict()
-        if not resolvable(est):
+        if not plan_text.resolvable(est):
             doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
         text += ["", plan_text.describe(est)]
     else:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 # Fewest GEN rows a rank is given (unless the branch is shorter; then fewer ranks get rows). Why: CPU
 # sgemm rounds a row differently when the row count M is small (MKL takes a small-M kernel below 3 rows at
 # K=64, 6 at K=128, 16 at K >= 512: tests/unit/test_sequence_parallel.py measures it), so a 2-row shard
-# would not reproduce the reference's full-sequence GEMM bit for bit. At >= 16 rows it does, and a shard
-# shorter than that is too small a GEMM to be worth a rank on any device anyway.
+# would not reproduce the reference's full-sequence GEMM bit for bit. At >= 16 rows it does, at one thread
+# per rank (torchrun's default; with more threads MKL also splits the reduction of mid-size M, so no row
+# count is safe), and a shard shorter than that is too small a GEMM to be worth a rank on any device anyway.
 MIN_SHARD_ROWS = 16
 
 

@@ -50,8 +50,10 @@ def simulate(
     rule: PrefillRule,
     part_bytes: PartBytes = PartBytes(),
     und_cache: bool = True,
+    ranks_per_queue: int = 1,
 ) -> Simulation:
-    """Replay the runner's loop (`PassRunner._loop`) pass by pass; see there for each step's meaning."""
+    """Replay the runner's loop (`PassRunner._loop`) pass by pass; see there for each step's meaning.
+    A queue is one rank's, or with --sp one group's (`ranks_per_queue` ranks, each moving the weights)."""
     world = len(queues)
     rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
@@ -90,7 +92,7 @@ def simulate(
     if not und_cache:  # the ablation recomputes every active branch's UND half every step
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
     per_rank = passes * part_bytes.gen + und_passes * part_bytes.und
-    moved = per_rank * world
+    moved = per_rank * world * ranks_per_queue
     return Simulation(
         passes=passes,
         und_passes=und_passes,

@@ -109,6 +109,8 @@ def w8a8_linear(
     """FP8 GEMM (`torch._scaled_mm`): activations quantized per tensor on the fly (dynamic amax: a
     converted checkpoint has no calibrated input scale), weights as stored. GPU only (sm89+)."""
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:  # an --sp rank holding none of a short branch's rows: amax of nothing is an error
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
     x_scale = (rows.abs().amax().float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     xq = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     # weight.t() of a row-major [out, in] weight is the column-major right operand _scaled_mm wants.

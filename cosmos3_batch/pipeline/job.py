@@ -166,11 +166,11 @@ def _check_same_plan(world: World, plan: Plan) -> None:
 def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | None]:
     started = time.time()
     _quiet_other_ranks(world)
-    plan = plan_run(cfg)
-    try:
+    try:  # before plan_run, which creates --out
         groups = check_world(cfg.sp, world.world_size)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
+    plan = plan_run(cfg)
     ids = {r.id for r in plan.requests}
     if world.is_main:
         state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
@@ -192,8 +192,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
     # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
     mine = assign(plan.requests, groups).queues[world.rank // cfg.sp]
-    backend = "nccl" if world.device.type == "cuda" else "gloo"
-    seq_group = build_seq_group(world.rank, world.world_size, cfg.sp, backend, cfg.collective_timeout_s)
+    seq_group = build_seq_group(world.rank, world.world_size, cfg.sp, world.device, cfg.collective_timeout_s)
     if world.is_main and spans_nodes(cfg.sp, world.local_world_size):
         log.warning(
             "--sp %d does not divide the %d ranks per node: some groups' all-to-alls cross nodes",

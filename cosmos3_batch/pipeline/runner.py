@@ -233,15 +233,29 @@ class PassRunner:
             self.on_progress(1)
 
     def _admit(self, requests: list[Request]) -> list[RequestJob]:
-        admitted = []
+        jobs, errors = [], []
         for request in requests:
             job = RequestJob(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
             try:
                 job.prepare()
-            except Exception as exc:  # a bad request must not take the job down (the same on every
-                self._fail(job, _describe(exc))  # rank of an --sp group: its inputs are the same files)
-                continue
-            admitted.append(job)
+                errors.append(None)
+            except Exception as exc:  # a bad request must not take the job down
+                errors.append(_describe(exc))
+            jobs.append(job)
+        if self.sp is not None and requests:
+            # A request that failed to prepare on one rank of the group (a read error, out of memory) is
+            # dropped on all of them: the group's all-to-alls must carry the same requests.
+            agreed = self.sp.agree([error is None for error in errors])
+            errors = [
+                error if error is not None or ok else "failed to prepare on another rank of its --sp group"
+                for error, ok in zip(errors, agreed, strict=True)
+            ]
+        admitted = []
+        for job, error in zip(jobs, errors, strict=True):
+            if error is None:
+                admitted.append(job)
+            else:
+                self._fail(job, error)
         return admitted
 
     def _drop_failed(self, jobs: list[RequestJob]) -> list[RequestJob]:
@@ -298,9 +312,11 @@ class PassRunner:
 
     def _account(self, riders: list[RequestJob], counters: Counters) -> None:
         self.totals.add(counters)
-        # A pass's weight traffic is shared by the requests that rode on it (prefilled ones included).
+        # A pass's weight traffic is shared by the requests that rode on it (prefilled ones included);
+        # with --sp every rank of the group moved it, and the group's first rank writes the row.
+        ranks = 1 if self.sp is None else self.sp.size
         for job in riders:
-            job.weight_bytes += (counters.h2d_bytes + counters.gathered_bytes) / len(riders)
+            job.weight_bytes += ranks * (counters.h2d_bytes + counters.gathered_bytes) / len(riders)
             job.stall_s += counters.stall_s / len(riders)
 
     def _finish(self, active: list[RequestJob]) -> list[RequestJob]:

@@ -117,6 +117,23 @@ def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, wo
     assert (sim["passes"], sim["und_passes"]) == (ranks[0]["passes"], ranks[0]["und_passes"])
 
 
+def test_a_failed_write_is_reported_once_and_the_group_goes_on(tiny8, tmp_path):
+    rows = [
+        {"id": f"w{i}", "prompt": "x", "size": "128x128", "num_frames": 1, "num_inference_steps": 2}
+        for i in range(3)
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    (out / "w1.png").mkdir(parents=True)  # the leader's write fails: a directory is in the way
+    proc = torchrun(2, prompts, "--model", tiny8, "--out", out, "--sp", "2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [f["id"] for f in summary["failed"]] == ["w1"] and summary["generated_ok"] == 2
+    assert len({r["collective_trace"] for r in summary["ranks"]}) == 1
+    statuses = sorted(line.split(",")[:2] for line in (out / "metrics.csv").read_text().splitlines()[1:])
+    assert statuses == [["w0", "ok"], ["w1", "failed"], ["w2", "ok"]]
+
+
 def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):
     rows = [
         {"id": f"k{i}", "prompt": "x", "size": "128x128", "num_frames": 5, "num_inference_steps": 30}
