@@ -57,11 +57,18 @@ def job(tmp_path_factory, tiny_av_ckpt, cond_image) -> tuple[Path, dict]:
     return prompts, {rid: outs[0] for rid, outs in reference.items()}
 
 
-@pytest.mark.parametrize(("world_size", "mode", "max_active"), [(2, "allgather", 3), (3, "local", 1)])
-def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_size, mode, max_active):
+@pytest.mark.parametrize(
+    ("world_size", "mode", "max_active", "sp"),
+    [
+        (2, "allgather", 3, 1),
+        (3, "local", 1, 1),
+        (2, "allgather", 3, 2),
+    ],  # --sp 2: sound/action rows split too
+)
+def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_size, mode, max_active, sp):
     prompts, reference = job
     out = tmp_path / "out"
-    args = (prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--save-latents")
+    args = (prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--save-latents", "--sp", sp)
     proc = torchrun(world_size, *args, "--max-active", max_active)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rid, expected in reference.items():
