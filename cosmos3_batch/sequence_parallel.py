@@ -104,15 +104,14 @@ def sp_cost(
     dims: dict, sp: int, work: tuple[int, int, int, int], layers: int, act_bytes: int, gbps: float
 ) -> SpCost:
     """dims: hidden, heads, kv_heads, head_dim, intermediate; work: (sequences, GEN tokens, UND tokens,
-    requests held with their UND K/V). Kept: each rank holds the full UND K/V (replicated) and 1/S of the
-    GEN rows; transient: the token-wise ops on L/S rows, attention on L rows for H/S heads, and the head
+    requests held with their UND K/V). Kept: each rank holds the UND K/V of its own KV heads and 1/S of
+    the GEN rows; transient: the token-wise ops on L/S rows, attention on L rows for H/S heads, and the head
     reading the full stream once it is gathered back."""
     sequences, gen, und, held = work
     split = head_split(dims["heads"], dims["kv_heads"], sp)
     d, hidden = dims["head_dim"], dims["hidden"]
-    kv = dims["kv_heads"] * d
     local = -(-gen // sp)
-    kept = held * (layers * und * kv * 2) + sequences * local * hidden
+    kept = held * (layers * und * split.kv * d * 2) + sequences * local * hidden
     token_ops = local * (dims["intermediate"] * 3 + (dims["heads"] + 2 * dims["kv_heads"]) * d + 2 * hidden)
     attention = gen * (split.q + 2 * split.kv) * d + (und + gen) * 2 * split.kv * d
     transient = max(token_ops + attention, gen * hidden * 2)

@@ -105,7 +105,10 @@ def und_layer_batched(
     k_gen = k_rot if attn.k_norm_und_for_gen is None else _apply_rotary(attn.k_norm_und_for_gen(k), rot)
     # The cache lives as long as its request, and requests prefilled together finish at different passes:
     # clone each branch's slice so one finished request does not pin the whole batch's K/V.
-    kv = [(k_s.clone(), v_s.clone()) for k_s, v_s in zip(k_gen.split(sizes), v.split(sizes), strict=True)]
+    kv = [
+        (k_s.clone(), v_s.clone()) if seq.shard is None else seq.shard.own_kv(k_s, v_s)
+        for seq, k_s, v_s in zip(seqs, k_gen.split(sizes), v.split(sizes), strict=True)
+    ]
     if is_last:
         # The last layer's UND output feeds nothing the vision head reads: only its K/V matter.
         new_hidden: list[torch.Tensor | None] = [None] * len(seqs)

@@ -149,10 +149,13 @@ class Cosmos3Split:
         v = attn.to_v(x).view(-1, attn.num_key_value_heads, attn.head_dim)
         k = attn.norm_k(k)
         k_rot = _apply_rotary(k, seq.rot_und)
-        if attn.k_norm_und_for_gen is None:
-            seq.und_kv.append((k_rot, v))
-        else:
-            seq.und_kv.append((_apply_rotary(attn.k_norm_und_for_gen(k), seq.rot_und), v))
+        k_gen = (
+            k_rot
+            if attn.k_norm_und_for_gen is None
+            else _apply_rotary(attn.k_norm_und_for_gen(k), seq.rot_und)
+        )
+        # --sp: the cache keeps only this rank's KV heads (model/ulysses.py); the UND stream stays whole.
+        seq.und_kv.append((k_gen, v) if seq.shard is None else seq.shard.own_kv(k_gen, v))
         if is_last:
             # The last layer's UND output feeds nothing the vision head reads: only its K/V matter.
             seq.und_hidden = None

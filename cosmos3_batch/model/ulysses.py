@@ -52,6 +52,18 @@ class SeqShard:
     def local(self) -> slice:
         return slice(self.start, self.start + self.rows[self.comm.rank])
 
+    @property
+    def kv_heads(self) -> slice:
+        """The KV heads this rank's query heads read."""
+        split, rank = self.heads, self.comm.rank
+        first = rank // split.repeat if split.repeat > 1 else rank * split.kv
+        return slice(first, first + split.kv)
+
+    def own_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of a layer's UND K/V [U, KV, D] this rank's attention reads: the cache keeps only that
+        (the UND half runs whole on every rank of the group, but each attends for its own heads)."""
+        return k[:, self.kv_heads].clone(), v[:, self.kv_heads].clone()
+
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The full stream from every rank's rows (an all-gather with uneven rows, as one all-to-all)."""
         size = self.comm.size
@@ -61,7 +73,8 @@ class SeqShard:
 
     def attend(self, attend_fn, q, k, v, k_und: torch.Tensor, v_und: torch.Tensor) -> torch.Tensor:
         """attend_fn(q, k, v) over this rank's heads; q [rows, H, D], k/v [rows, KV, D] local GEN rows,
-        k_und/v_und [U, KV, D] the branch's cached UND keys/values. Returns [rows, H * D] like attend_fn."""
+        k_und/v_und [U, KV/S, D] the branch's cached UND keys/values of this rank's KV heads (`own_kv`).
+        Returns [rows, H * D] like attend_fn."""
         size, rank, split = self.comm.size, self.comm.rank, self.heads
         mine = self.rows[rank]
         d = q.shape[-1]
@@ -73,12 +86,8 @@ class SeqShard:
         width = split.q + 2 * split.kv
         full = self.comm.all_to_all_rows(packed.reshape(size * mine, width, d), [mine] * size, self.rows)
         q_full, k_full, v_full = full.split([split.q, split.kv, split.kv], dim=1)
-        first_kv = rank // split.repeat if split.repeat > 1 else rank * split.kv
-        kv_heads = slice(first_kv, first_kv + split.kv)
         out = attend_fn(
-            q_full.contiguous(),
-            torch.cat([k_und[:, kv_heads], k_full], dim=0),
-            torch.cat([v_und[:, kv_heads], v_full], dim=0),
+            q_full.contiguous(), torch.cat([k_und, k_full], dim=0), torch.cat([v_und, v_full], dim=0)
         )  # [L, H/S * D]
         back = self.comm.all_to_all_rows(out.contiguous(), self.rows, [mine] * size)
         # [S, rows, H/S * D] from ranks 0..S-1 -> [rows, S * H/S * D]: heads in their original order.

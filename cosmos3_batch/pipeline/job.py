@@ -85,7 +85,7 @@ def token_errors(requests: list[Request], helper, model_limit: int) -> list[Requ
     return errors
 
 
-def plan_run(cfg: RunConfig) -> Plan:
+def plan_run(cfg: RunConfig, world_size: int = 1) -> Plan:
     from cosmos3_batch.model.tiny import ensure_default_tiny
 
     model_dir = cfg.model if cfg.model is not None else ensure_default_tiny()
@@ -98,8 +98,9 @@ def plan_run(cfg: RunConfig) -> Plan:
         )
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
-    try:  # --sp must fit the model's heads: a config fact, so checked before anything else is read
+    try:  # --sp must fit the model's heads (named first: the fix is in the model) and the ranks
         check_model(cfg.sp, checkpoint.config("transformer"))
+        check_world(cfg.sp, world_size)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
@@ -166,11 +167,8 @@ def _check_same_plan(world: World, plan: Plan) -> None:
 def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | None]:
     started = time.time()
     _quiet_other_ranks(world)
-    try:  # before plan_run, which creates --out
-        groups = check_world(cfg.sp, world.world_size)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from exc
-    plan = plan_run(cfg)
+    plan = plan_run(cfg, world.world_size)  # also checks --sp against the heads and the ranks
+    groups = world.world_size // cfg.sp
     ids = {r.id for r in plan.requests}
     if world.is_main:
         state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet

@@ -149,7 +149,7 @@ def test_ulysses_attention_equals_the_unsplit_call(heads, kv, sp, rows):
         def attend(q_, k_, v_):
             return _attention(FakeAttn, q_, k_, v_, causal=False)
 
-        outs[rank] = shard.attend(attend, q[mine].contiguous(), k[mine], v[mine], k_und, v_und)
+        outs[rank] = shard.attend(attend, q[mine].contiguous(), k[mine], v[mine], *shard.own_kv(k_und, v_und))
         assert torch.equal(shard.gather(outs[rank]), expected)  # the head's all-gather of the rows
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(sp)]
