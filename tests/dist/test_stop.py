@@ -28,9 +28,9 @@ ROWS = [
 IDS = [row["id"] for row in ROWS]
 
 
-def command(nproc: int, prompts: Path, model: Path, out: Path) -> list[str]:
+def command(nproc: int, prompts: Path, model: Path, out: Path, sp: int = 1) -> list[str]:
     run = ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(model), "--out", str(out)]
-    run += ["--save-latents", "--no-progress", "--max-active", "2"]
+    run += ["--save-latents", "--no-progress", "--max-active", "2", "--sp", str(sp)]
     if nproc == 1:
         return [sys.executable, *run]
     launcher = [sys.executable, "-m", "cosmos3_batch.launch", "--standalone", f"--nproc-per-node={nproc}"]
@@ -79,22 +79,23 @@ def ok_rows(out: Path) -> Counter:
 
 
 @pytest.mark.parametrize(
-    ("nproc", "sig", "whole_group"),
+    ("nproc", "sig", "whole_group", "sp"),
     [
-        pytest.param(1, signal.SIGINT, False, id="single-sigint-process"),
-        pytest.param(1, signal.SIGINT, True, id="single-sigint-group"),
-        pytest.param(1, signal.SIGTERM, False, id="single-sigterm"),
-        pytest.param(2, signal.SIGINT, False, id="torchrun2-sigint-launcher"),
-        pytest.param(2, signal.SIGINT, True, id="torchrun2-sigint-group"),
-        pytest.param(2, signal.SIGTERM, False, id="torchrun2-sigterm"),
+        pytest.param(1, signal.SIGINT, False, 1, id="single-sigint-process"),
+        pytest.param(1, signal.SIGINT, True, 1, id="single-sigint-group"),
+        pytest.param(1, signal.SIGTERM, False, 1, id="single-sigterm"),
+        pytest.param(2, signal.SIGINT, False, 1, id="torchrun2-sigint-launcher"),
+        pytest.param(2, signal.SIGINT, True, 1, id="torchrun2-sigint-group"),
+        pytest.param(2, signal.SIGTERM, False, 1, id="torchrun2-sigterm"),
+        pytest.param(2, signal.SIGINT, True, 2, id="torchrun2-sp2-sigint-group"),  # one --sp group
     ],
 )
 def test_signal_stops_cleanly_and_rerun_does_the_rest(
-    reference, tiny_ckpt, tmp_path, nproc, sig, whole_group
+    reference, tiny_ckpt, tmp_path, nproc, sig, whole_group, sp
 ):
     prompts, ref = reference
     out = tmp_path / "out"
-    cmd = command(nproc, prompts, tiny_ckpt, out)
+    cmd = command(nproc, prompts, tiny_ckpt, out, sp)
     code, seconds, err = stop_midway(cmd, out, sig, whole_group)
     assert code == 128 + sig, err[-3000:]
     assert seconds < 15, seconds
