@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,14 +105,25 @@ def w8a16_linear(
 
 
 def w8a8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """FP8 GEMM (`torch._scaled_mm`): activations quantized per tensor on the fly (dynamic amax: a
-    converted checkpoint has no calibrated input scale), weights as stored. GPU only (sm89+)."""
+    converted checkpoint has no calibrated input scale), weights as stored. GPU only (sm89+).
+
+    `amax_reduce` (--sp): the max of the amax over the ranks holding the other rows of the sequence, so the
+    activation scale is the whole sequence's, as without --sp. Every rank of the group calls it, those
+    holding no rows too (with 0)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:  # an --sp rank holding none of a short branch's rows: amax of nothing is an error
+    amax = rows.abs().amax().float() if rows.shape[0] else torch.zeros((), device=x.device)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
+    if rows.shape[0] == 0:  # an --sp rank holding none of a short branch's rows
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
-    x_scale = (rows.abs().amax().float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    x_scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     xq = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     # weight.t() of a row-major [out, in] weight is the column-major right operand _scaled_mm wants.
     out = torch._scaled_mm(
@@ -145,6 +157,8 @@ class Fp8Compute:
     reasoner_a16: bool = True
     w8a8_available: bool = False
     high_precision: bool = True  # what the next linear call runs
+    # --sp: set for the GEN half of a request split over a group (W8A8's amax over the whole sequence)
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     w8a8_calls: int = 0  # counted, so metrics can say which math ran
     w8a16_calls: int = 0
 
@@ -236,7 +250,7 @@ class Fp8Linear(torch.nn.Module):
             self.compute.w8a16_calls += 1
             return w8a16_linear(x, self.weight, scale, self.bias)
         self.compute.w8a8_calls += 1
-        return w8a8_linear(x, self.weight, scale, self.bias)
+        return w8a8_linear(x, self.weight, scale, self.bias, compute.amax_reduce if self.in_layer else None)
 
 
 def quantized_linears(model: torch.nn.Module, store: TensorStore) -> list[str]:

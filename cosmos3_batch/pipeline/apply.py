@@ -42,7 +42,14 @@ class PartApplier:
             by_precision.setdefault(wants, []).append(job)
         for high_precision, group in by_precision.items():
             fp8.high_precision = high_precision
-            self._apply(group, layer, index, part)
+            # --sp: a GEN half's rows are spread over the group, so W8A8's per-tensor amax is reduced over
+            # it (the UND half runs whole on every rank).
+            sp = getattr(group[0], "sp", None) if part == GEN else None
+            fp8.amax_reduce = sp.max_reduce if sp is not None else None
+            try:
+                self._apply(group, layer, index, part)
+            finally:
+                fp8.amax_reduce = None
 
     def _apply(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
         is_last = index == self.split.num_layers - 1

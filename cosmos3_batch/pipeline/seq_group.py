@@ -48,6 +48,14 @@ class SeqGroup:
         dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
         return out
 
+    def max_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """A scalar's max over the group (W8A8's activation amax under --sp, model/fp8.py)."""
+        if self.note is not None:
+            self.note("max:1")
+        out = value.reshape(1).to(self.device, torch.float32)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out.reshape(())
+
     def agree(self, flags: list[bool]) -> list[bool]:
         """Each flag AND-ed over the group's ranks (one small all-reduce)."""
         if self.note is not None:

@@ -188,3 +188,28 @@ def test_plan_schedules_groups(tmp_path, tiny_ckpt):
         app, ["plan", str(prompts), "--nproc", "3", "--sp", "3", "--model", str(tiny_ckpt)]
     )
     assert bad.exit_code == 2 and "4 attention heads" in bad.output
+
+
+def test_w8a8_under_sp_takes_the_whole_sequence_amax():
+    """W8A8 quantizes activations per tensor: under --sp each rank sees only its rows, so the amax is
+    reduced over the group; with it the shards reproduce the whole sequence's W8A8 bit for bit (torch
+    2.13's CPU `_scaled_mm`), without it they do not. A rank with no rows still takes part (with 0)."""
+    from cosmos3_batch.model.fp8 import quantize_per_tensor, w8a8_linear
+
+    gen = torch.Generator().manual_seed(1)
+    q, _, scale = quantize_per_tensor(torch.randn(64, 32, generator=gen) * 0.05)
+    x = torch.randn(70, 32, generator=gen)
+    x[3] *= 10  # the largest activation lies in the first shard only
+    full = w8a8_linear(x, q, scale, None)
+    sizes = [*shard_rows(70, 4), 0]  # a fifth rank holding nothing
+    seen = []
+
+    def group_max(amax: torch.Tensor) -> torch.Tensor:
+        seen.append(float(amax))
+        return x.abs().amax()  # what the group's all-reduce returns
+
+    parts = [w8a8_linear(p, q, scale, None, amax_reduce=group_max) for p in x.split(sizes)]
+    assert torch.equal(torch.cat(parts), full)
+    assert len(seen) == 5 and seen[-1] == 0.0
+    alone = [w8a8_linear(p, q, scale, None) for p in x.split(sizes)]
+    assert not torch.equal(torch.cat(alone), full)
