@@ -25,17 +25,30 @@ from tests.reference import reference_kwargs
 
 pytestmark = pytest.mark.dist
 
-# GEN rows: long 3x4x8 = 96 (split over 4 ranks: 24 each), mid 2x3x4 = 24 and sq 16 (one shard: fewer rows
-# than two minimum shards), img 1 (zero rows on every rank but the first). Images and videos, CFG on and
+# GEN rows (latent frames x H/32 x W/32) and their shards at --sp 2 / --sp 4: long 3x4x8 = 96 rows (48+48 /
+# 24x4); odd 3x1x11 = 33 (17+16 / 17+16+0+0: uneven); mid 2x3x4 = 24 and sq 16 (fewer rows than two minimum
+# shards: one rank holds them); img 1 (zero rows on every rank but the first). Images and videos, CFG on and
 # off, 1-3 steps, a flow_shift override.
 ROWS = [
     {"id": "long", "prompt": "a cat", "size": "256x128", "num_frames": 9, "num_inference_steps": 3,
      "guidance_scale": 6.0},
-    {"id": "img", "prompt": "snow", "size": "32x32", "num_inference_steps": 2, "guidance_scale": 1.0},
+    {"id": "odd", "prompt": "a train passing", "size": "352x32", "num_frames": 9, "num_inference_steps": 2,
+     "guidance_scale": 1.0},
+    {"id": "img", "prompt": "snow", "size": "32x32", "num_frames": 1, "num_inference_steps": 2,
+     "guidance_scale": 1.0},
     {"id": "mid", "prompt": "ocean waves", "size": "128x96", "num_frames": 5, "num_inference_steps": 2,
      "guidance_scale": 4.0, "flow_shift": 2.0},
-    {"id": "sq", "prompt": "a street", "size": "128x128", "num_inference_steps": 1, "guidance_scale": 6.0},
+    {"id": "sq", "prompt": "a street", "size": "128x128", "num_frames": 1, "num_inference_steps": 1,
+     "guidance_scale": 6.0},
 ]  # fmt: skip
+
+
+def stderr_tail(proc: subprocess.CompletedProcess) -> str:
+    """What a failed run said: from a fatal signal's thread dump if there is one (its module list alone
+    would fill a plain tail), else the end."""
+    err = proc.stderr
+    fatal = err.find("Fatal Python error")
+    return err[fatal : fatal + 4000] if fatal >= 0 else err[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +106,7 @@ def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, wo
     out = tmp_path / "out"
     args = [prompts, "--model", tiny8, "--out", out, "--sp", sp, "--offload", mode, "--save-latents"]
     proc = torchrun(world, *args)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, stderr_tail(proc)
     for rid, expected in reference.items():
         assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
     summary = json.loads((out / "summary.json").read_text())
