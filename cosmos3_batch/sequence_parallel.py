@@ -34,8 +34,8 @@ class HeadSplit:
 def head_split(heads: int, kv_heads: int, sp: int) -> HeadSplit:
     """ValueError (naming --sp and the head counts) when Ulysses cannot split these heads over `sp` ranks.
 
-    Query heads must divide by S. KV heads either divide by S, or S is a multiple of them: then, as in
-    diffusers' Cosmos3 context-parallel example, each KV head is repeated S / KV times, one copy per rank
+    Query heads must divide by S. KV heads either divide by S, or S is a multiple of them: then (the usual
+    Ulysses answer to grouped-query attention) each KV head is repeated S / KV times, one copy per rank
     whose query heads read it (a rank's H/S query heads then all share one KV head, so the repeat changes
     which bytes travel, never what any head attends over)."""
     if sp < 1:
