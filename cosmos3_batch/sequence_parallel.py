@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Fewest GEN rows a rank is given (unless the branch is shorter; then fewer ranks get rows). Why: CPU
-# sgemm rounds a row differently when the row count M is small (MKL takes a small-M kernel below 3 rows at
-# K=64, 6 at K=128, 16 at K >= 512: tests/unit/test_sequence_parallel.py measures it), so a 2-row shard
-# would not reproduce the reference's full-sequence GEMM bit for bit. At >= 16 rows it does, at one thread
-# per rank (torchrun's default; with more threads MKL also splits the reduction of mid-size M, so no row
-# count is safe), and a shard shorter than that is too small a GEMM to be worth a rank on any device anyway.
+# Fewest GEN rows a rank is given (unless the branch is shorter; then fewer ranks get rows). Why: a CPU
+# sgemm may round a row differently when the call has few rows (MKL picks kernels by M, and where the cut
+# lies depends on the CPU: 1-3 rows on an AVX2 EPYC, up to 15 on an AVX512 Xeon; scripts/bench/gemm_rows.py
+# measures it), so a 2-row shard would not reproduce the reference's full-sequence GEMM bit for bit. From 16
+# rows on it does under the project's CPU numerics policy (MKL strict CNR, docs/numerics.md), whatever the
+# thread count; and a shard shorter than that is too small a GEMM to be worth a rank on any device anyway.
 MIN_SHARD_ROWS = 16
 
 

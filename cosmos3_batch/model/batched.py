@@ -150,13 +150,13 @@ def row_groups(seqs: list[BranchSeq], rows: list[int], max_rows: int | None) -> 
 def batching_is_exact(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the batched halves are bit-identical to the per-branch ones whatever the row counts.
 
-    False on CPU (measured, float32, MKL 2024.2): sgemm takes a small-M kernel below 3 rows at K=64, 6 at
-    K=128, 16 at K >= 512; with 2 threads it also splits the reduction for mid-size M (16-512 rows at
-    hidden 4096, 57-160 rows of a 1536->512 projection). A branch's rows then round differently alone
-    than inside a batch, and the reference runs each branch alone, so only the per-branch path keeps its
-    bits (a 32x32 image is a 1-row branch). bfloat16/float16 were not measured: no exemption. Off CPU
-    nothing is claimed either (cuBLAS also picks kernels by M); there the contract is not bit-for-bit,
-    which is what `batch_by_default` reads.
+    False on CPU: even under strict CNR (docs/numerics.md) sgemm gives a row of a call with very few rows
+    other bits than the same row inside a larger call (measured: 1-3 rows on an AVX2 EPYC, more on other
+    CPUs; scripts/bench/gemm_rows.py), and the reference runs each branch alone, so a 1-token image batched
+    with others would lose its bits. From 16 rows a branch on, strict CNR makes batching exact (the tests
+    hold that), but the per-branch path is the only one exact for every request. bfloat16 runs through
+    oneDNN, which CNR does not govern: no exemption. Off CPU nothing is claimed either (cuBLAS also picks
+    kernels by M); there the contract is not bit-for-bit, which is what `batch_by_default` reads.
     """
     # No (device, dtype) measured so far is row-invariant for every M; the arguments let one that is say so.
     return False

@@ -24,6 +24,7 @@ from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics, state_dir, write_passes
 from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
+from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
 from cosmos3_batch.pipeline.denoise import tokenize
 from cosmos3_batch.pipeline.results import ResultWriter, output_key
@@ -218,6 +219,9 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         weights=weights_report(ctx.split.fp8),
     )
     sync = PassSync(world.world_size, world.exchange_group)
+    if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
+        # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).
+        warn_unless_strict(f"--sp {cfg.sp}" if cfg.sp > 1 else "batched branches")
     runner = PassRunner(
         ctx,
         weights,

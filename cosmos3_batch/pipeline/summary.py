@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.dist import World
 from cosmos3_batch.io.metrics import iso_time
+from cosmos3_batch.model.numerics import cpu_numerics
 from cosmos3_batch.pipeline.results import versions
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ def build_summary(
             "device": str(world.device),
         },
         "versions": versions(),
+        # On CPU the bits depend on MKL's reproducibility mode: what a comparison run must also use.
+        "cpu_numerics": cpu_numerics() if world.device.type == "cpu" else None,
     }
 
 

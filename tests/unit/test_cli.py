@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
+from cosmos3_batch.model import numerics
 from tests.conftest import write_jsonl
 
 IMAGE = {"id": "img", "prompt": "a red cube", "num_frames": 1, "size": "32x48", "num_inference_steps": 2}
@@ -71,6 +72,8 @@ def test_run_writes_every_output(job, tiny_ckpt):
     assert rows["vid"]["width"] == "48" and rows["vid"]["num_frames"] == "9" and rows["vid"]["error"] == ""
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == 2 and summary["failed"] == [] and summary["skipped_complete"] == 0
+    # The numerics the bits came from, for anyone reproducing them with a plain diffusers run.
+    assert summary["cpu_numerics"] == numerics.cpu_numerics()
     leftovers = [p.name for p in out.iterdir() if ".tmp" in p.name]
     assert leftovers == []
 
