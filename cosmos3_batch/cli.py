@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cosmos3_batch.prefill import PrefillRule
+from cosmos3_batch.plan.prefill import PrefillRule
 
 app = typer.Typer(
     add_completion=False,
@@ -21,7 +21,7 @@ app = typer.Typer(
 RULE = PrefillRule()  # the defaults of the prefill flags
 FREE_SHARE_HELP = (
     "Fetch the UND (text) halves for the whole world when this share of all slots is free with no "
-    "prefilled request to take it (README: choosing the prefill rule)."
+    "prefilled request to take it (docs/scale.md: prefill passes)."
 )
 MAX_WAIT_HELP = "... or when a free slot has waited this many passes for a UND pass."
 FP8_COMPUTE_HELP = (
@@ -41,7 +41,7 @@ SP_HELP = (
 @app.command()
 def run(
     prompts: Annotated[
-        Path, typer.Argument(help="JSONL file, one request per line (see README: request fields).")
+        Path, typer.Argument(help="JSONL file, one request per line (fields: docs/requests.md).")
     ],
     model: Annotated[
         Path | None,
@@ -181,8 +181,8 @@ def plan(
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
 
-    from cosmos3_batch import planner
-    from cosmos3_batch.prefill import PrefillRule
+    from cosmos3_batch.plan import planner
+    from cosmos3_batch.plan.prefill import PrefillRule
 
     hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
     try:
@@ -265,14 +265,15 @@ def convert(
 ) -> None:
     """Write DST, a converted copy of checkpoint SRC, streaming one tensor at a time (never the whole
     model in memory). Exit 2 (nothing written) for a bad SRC or a non-empty DST."""
-    from cosmos3_batch.convert import convert_fp8
-    from cosmos3_batch.model.loading import CheckpointError
+    from cosmos3_batch.checkpoint.convert import convert_fp8
+    from cosmos3_batch.checkpoint.folder import CheckpointError
+    from cosmos3_batch.model.loading import decoder_linear_weights
 
     if not fp8:
         typer.echo("error: say which conversion: --fp8 (the only one so far)", err=True)
         raise typer.Exit(2)
     try:
-        result = convert_fp8(src, dst)
+        result = convert_fp8(src, dst, decoder_linear_weights)
     except CheckpointError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

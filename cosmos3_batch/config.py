@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cosmos3_batch.engine.transport import OffloadMode
-from cosmos3_batch.prefill import PrefillRule
+from cosmos3_batch.engine.transport import OffloadMode, parse_offload
+from cosmos3_batch.plan.prefill import PrefillRule
 
 DEVICES = ("auto", "cpu", "cuda")
 FP8_COMPUTE = ("checkpoint", "a16")  # model/fp8.py COMPUTE_MODES (not imported: config stays torch-light)
@@ -34,7 +34,7 @@ class RunConfig:
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
     fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always
-    # When the world fetches the UND halves (DESIGN.md §4, prefill.py).
+    # When the world fetches the UND halves (DESIGN.md §4, plan/prefill.py).
     prefill: PrefillRule = field(default_factory=PrefillRule)
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
     sp: int = 1  # sequence-parallel group size (DESIGN.md §11): each request's GEN tokens over S ranks
@@ -65,20 +65,12 @@ class RunConfig:
             raise ValueError(f"--model {self.model}: not a diffusers checkpoint folder (no model_index.json)")
 
 
-def parse_offload(name: str) -> OffloadMode:
-    try:
-        return OffloadMode(name)
-    except ValueError:
-        modes = ", ".join(m.value for m in OffloadMode)
-        raise ConfigError(f"--offload must be one of {modes}, got {name!r}") from None
-
-
 def make_config(
     offload: str, shard: str | None, prefill: tuple[float, int, int] | None = None, **flags
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
     `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead)."""
-    from cosmos3_batch.schedule import parse_shard
+    from cosmos3_batch.plan.schedule import parse_shard
 
     try:
         parsed = None if shard is None else parse_shard(shard)

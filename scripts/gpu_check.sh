@@ -2,13 +2,13 @@
 # One-GPU check of the design's numbers (H2D GB/s pageable vs pinned, GEN-layer compute at 480p/720p token
 # counts, local/allgather vs resident overlap, K=1 vs K=4, stall share from CUDA events, peak device
 # memory) on Nano-shaped layers with random bf16 weights, then tests/gpu. Nothing is downloaded. Fits in 8
-# minutes on one H200; prints markdown tables to paste into the README.
+# minutes on one H200; prints markdown tables for docs/benchmarks.md.
 #
 #   bash scripts/gpu_check.sh [--layers 8] [--tmp DIR] [--out gpu_check.md]
 #
 # Python: $PYTHON if set, else .venv/bin/python if it exists, else python3. It needs a CUDA build of torch.
 # Packages that image lacks (diffusers, imageio-ffmpeg, this project): when .whl/ holds wheels (made here by
-# `python scripts/fetch_gpu_wheels.py`), they are installed into $COSMOS3_GPU_SITE first, no network.
+# `python scripts/gpu/fetch_wheels.py`), they are installed into $COSMOS3_GPU_SITE first, no network.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 START=$SECONDS
@@ -28,7 +28,7 @@ fi
 # torch is the image's own (checked above); what it lacks comes from the carried wheels.
 site="${COSMOS3_GPU_SITE:-/tmp/cosmos3-site}"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
-  "$py" "$ROOT/scripts/fetch_gpu_wheels.py" --dest "$ROOT/.whl" --install "$site" >/dev/null
+  "$py" "$ROOT/scripts/gpu/fetch_wheels.py" --dest "$ROOT/.whl" --install "$site" >/dev/null
   # The working tree first (it is what we check), then the carried wheels, then the image's packages.
   export PYTHONPATH="$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -37,7 +37,7 @@ fi
 # The measurements get 300 s (the Python side stops starting sections at --budget-s; the shell kills it at
 # 320 s whatever happens, and tables already printed stay printed); tests/gpu gets what is left.
 status=0
-timeout --signal=TERM --kill-after=10 320 "$py" "$ROOT/scripts/gpu_check.py" --budget-s 280 "$@" || status=$?
+timeout --signal=TERM --kill-after=10 320 "$py" "$ROOT/scripts/gpu/check.py" --budget-s 280 "$@" || status=$?
 left=$((TOTAL_S - (SECONDS - START)))
 echo
 echo "### tests/gpu"

@@ -18,7 +18,7 @@ from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 from diffusers.pipelines.cosmos.mixed_precision import _w8a16_linear
 from safetensors.torch import load_file
 
-from cosmos3_batch.requests import Request
+from cosmos3_batch.requests.parse import Request
 from tests.reference import reference_kwargs
 
 FP8 = torch.float8_e4m3fn

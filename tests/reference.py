@@ -8,7 +8,7 @@ from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionConditi
 from diffusers.utils import load_video
 from PIL import Image
 
-from cosmos3_batch.requests import Request
+from cosmos3_batch.requests.parse import Request
 
 
 def reference_kwargs(r: Request) -> dict:

@@ -1,6 +1,6 @@
 """This rank's shards of the layer parts, in one arena on the host, read from the mapped checkpoint.
 
-A rank copies only the byte ranges of its shards out of the memory-mapped files (checkpoint.py); the
+A rank copies only the byte ranges of its shards out of the memory-mapped files (checkpoint/reader.py); the
 pages it touches live in the page cache that the node's ranks share. Private memory per rank is the
 arena alone (about 1/N of the layer bytes).
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-# Re-exported: callers that predate checkpoint.py import the reader from here.
-from cosmos3_batch.checkpoint import DTYPES, CheckpointFileError, SafetensorsFile, TensorStore
+from cosmos3_batch.checkpoint.reader import DTYPES, CheckpointFileError, SafetensorsFile, TensorStore
 from cosmos3_batch.engine.layout import PartLayout
 
 __all__ = ["DTYPES", "CheckpointFileError", "HostShards", "SafetensorsFile", "TensorStore", "local_sources"]

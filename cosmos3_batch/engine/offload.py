@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cosmos3_batch.checkpoint import CheckpointFileError, TensorStore
+from cosmos3_batch.checkpoint.reader import CheckpointFileError, TensorStore
 from cosmos3_batch.engine.host import HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
 from cosmos3_batch.engine.slots import SlotScheduler
@@ -209,7 +209,7 @@ class LayerOffload:
 
 def slot_sizes(layouts: list[PartLayout], lanes: list[str], lane_slots: dict[str, int]) -> list[int]:
     """Bytes of each device slot, in slot order: a lane's slots are sized to its largest part. The sum is
-    the engine's device memory for weights (planner.py: add these, not 2 x the largest part)."""
+    the engine's device memory for weights (plan/planner.py: add these, not 2 x the largest part)."""
     scheduler = SlotScheduler(lanes, lane_slots)
     largest: dict[str, int] = {}
     for layout, lane in zip(layouts, lanes, strict=True):

@@ -190,3 +190,11 @@ class CpuBackend:
             self._worker.shutdown(wait=False, cancel_futures=True)
             return
         self._worker.shutdown(wait=True)
+
+
+def parse_offload(name: str) -> OffloadMode:
+    try:
+        return OffloadMode(name)
+    except ValueError:
+        modes = ", ".join(m.value for m in OffloadMode)
+        raise ValueError(f"--offload must be one of {modes}, got {name!r}") from None

@@ -3,7 +3,7 @@ the request ends, merged into metrics.csv at the end of the run. A crash loses n
 
 The part files (the crash-safe journal, one per rank and run tag) and the merge lock live in a hidden
 folder of their own, `OUT/.cosmos3_batch/`, so the dataset folder holds only outputs and reports.
-Every column is documented in the README ("Outputs").
+Every column is documented in docs/outputs.md.
 """
 
 from __future__ import annotations

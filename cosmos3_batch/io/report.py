@@ -127,7 +127,7 @@ def _metrics_rows(out: Path) -> dict[str, dict]:
 
 def _prompts(summaries: list[Path]) -> dict[str, str]:
     """Prompts of requests that left no sidecar, read back from the run's JSONL when it is still there."""
-    from cosmos3_batch.requests import RequestFileError, load_requests
+    from cosmos3_batch.requests.parse import RequestFileError, load_requests
 
     found: dict[str, str] = {}
     for path in summaries:

@@ -133,7 +133,7 @@ def row_groups(seqs: list[BranchSeq], rows: list[int], max_rows: int | None) -> 
 
     Batching pays where a branch's GEMMs are short (few rows); at ~1k rows a branch's GEMM is already
     efficient, and joining 8 of them only makes the memory-bound elementwise ops run on 8x the working set
-    (measured on CPU, scripts/bench_batched.py: 1.2x slower). A row budget keeps the gain without that.
+    (measured on CPU, scripts/bench/batched.py: 1.2x slower). A row budget keeps the gain without that.
     """
     groups: list[list[BranchSeq]] = []
     total = 0

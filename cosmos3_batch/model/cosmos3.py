@@ -253,3 +253,8 @@ def layer_parts(layers: torch.nn.ModuleList) -> list[tuple[str, list[tuple[torch
             halves[part_of(name)].append((layer.get_submodule(path), leaf, f"layers.{index}.{name}"))
         parts += [(f"{index}.{UND}", halves[UND]), (f"{index}.{GEN}", halves[GEN])]
     return parts
+
+
+# Two GEN slots and one UND slot (see engine/slots.py). Device memory for weights is
+# sum(engine.offload.slot_sizes(layouts, lanes, dict(LANE_SLOTS))): plan/planner.py should count the same.
+LANE_SLOTS = ((GEN, 2), (UND, 1))

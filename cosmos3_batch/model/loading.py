@@ -7,64 +7,20 @@ the layers can be left for the offload engine to place.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from cosmos3_batch.checkpoint import CheckpointFileError, TensorStore
-from cosmos3_batch.model.fp8 import Fp8Compute, install_fp8, make_compute, quantization_config
+from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
+from cosmos3_batch.checkpoint.fp8_format import quantization_config
+from cosmos3_batch.checkpoint.reader import CheckpointFileError, TensorStore
+from cosmos3_batch.model.fp8 import Fp8Compute, install_fp8, make_compute
 
-COMPONENTS = ("transformer", "vae", "scheduler", "text_tokenizer")
 NEVER_LOADED = ("lm_head.",)  # generation never reads the LM head (vocab x hidden: ~1.2 GB in Nano)
 # Only ever read, on the host (a lookup of a few hundred ids per prompt): a view of the node-shared page
 # cache, not a private copy in every rank (1.2 GB per rank in Nano, ~10 GB per 8-GPU node).
 HOST_SHARED = ("embed_tokens.weight",)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder is missing a part or disagrees with its own config."""
-
-
-@dataclass
-class Checkpoint:
-    root: Path
-    model_index: dict
-
-    @classmethod
-    def open(cls, root: str | Path) -> Checkpoint:
-        root = Path(root)
-        index = root / "model_index.json"
-        if not index.is_file():
-            raise CheckpointError(f"{root}: not a diffusers checkpoint (no model_index.json)")
-        for name in COMPONENTS:
-            if not (root / name).is_dir():
-                raise CheckpointError(f"{root}: component folder '{name}/' is missing")
-        return cls(root, json.loads(index.read_text()))
-
-    def identity(self) -> str:
-        """Changes when the model would produce different outputs: its configs and weight files (name and
-        size), not where it lives, so a moved checkpoint still resumes."""
-        digest = hashlib.sha256()
-        for path in [*sorted(self.root.glob("*/*.json")), self.root / "model_index.json"]:
-            digest.update(f"{path.relative_to(self.root)}\n".encode() + path.read_bytes())
-        for path in sorted(self.root.glob("*/*.safetensors")):
-            digest.update(f"{path.relative_to(self.root)}:{path.stat().st_size}\n".encode())
-        return digest.hexdigest()[:16]
-
-    def config(self, component: str) -> dict:
-        name = "scheduler_config.json" if component == "scheduler" else "config.json"
-        return json.loads((self.root / component / name).read_text())
-
-    def store(self, component: str) -> TensorStore:
-        """Memory-mapped, header-checked tensors of one component (sharded via the index JSON or not)."""
-        try:
-            return TensorStore(self.root / component)
-        except CheckpointFileError as exc:
-            raise CheckpointError(str(exc)) from exc
 
 
 def load_tensors(
@@ -212,3 +168,16 @@ def load_vae(ckpt: Checkpoint, device: torch.device):
     tensors = load_tensors(ckpt.store("vae"), lambda name: True)
     fill_module(vae, tensors, str(ckpt.root / "vae"))
     return vae.eval().requires_grad_(False).to(device)
+
+
+LAYER_LINEAR = re.compile(r"^layers\.\d+\.")
+
+
+def decoder_linear_weights(config: dict) -> set[str]:
+    """Checkpoint names of the decoder layers' linear weights: what the engine moves every pass."""
+    model = build_transformer_on_meta(config)
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and LAYER_LINEAR.match(name)
+    }

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cosmos3_batch.model.loading import Checkpoint
+from cosmos3_batch.checkpoint.folder import Checkpoint
 
 
 def has_sound_tokenizer(model_index: dict) -> bool:

@@ -10,7 +10,7 @@ ops (norms, projections, rotary, MLP) on them alone. Attention needs the whole s
 3. one all-to-all sends every rank back its rows, for all heads, in head order.
 
 The rows and heads are the only things that move; every value is computed from the same inputs by the
-same op as in the reference, so on CPU float32 the output stays bit-identical (sequence_parallel.py says
+same op as in the reference, so on CPU float32 the output stays bit-identical (parallel/sequence.py says
 what that needs of the shard sizes). The transport is the caller's (`GroupComm`): nothing here knows
 about processes.
 """
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from cosmos3_batch.sequence_parallel import HeadSplit
+from cosmos3_batch.model.heads import HeadSplit
 
 
 class GroupComm(Protocol):

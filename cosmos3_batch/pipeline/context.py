@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.model.cosmos3 import Cosmos3Split
-from cosmos3_batch.model.loading import Checkpoint, load_transformer, load_vae
+from cosmos3_batch.model.loading import load_transformer, load_vae
+from cosmos3_batch.model.prompts import build_helper, load_tokenizer
 from cosmos3_batch.model.sound import load_sound_tokenizer
 
 
@@ -45,42 +47,6 @@ def encoder_view(helper, vae: torch.nn.Module):
     # Plain attribute writes on the copies: the originals (and their registered configs) stay untouched.
     object.__setattr__(view, "vae", copy.copy(vae))
     return view
-
-
-def load_tokenizer(checkpoint: Checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(checkpoint.root / "text_tokenizer")
-
-
-def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None, sound_tokenizer=None):
-    """A `Cosmos3OmniPipeline` used only for its helpers (templating, packing, latent prep).
-
-    Without modules it is built over meta-device ones from the configs: enough to tokenize and
-    validate prompts before any weight is read.
-    """
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
-
-    from cosmos3_batch.model.loading import build_transformer_on_meta
-
-    if transformer is None:
-        transformer = build_transformer_on_meta(checkpoint.config("transformer"))
-    if vae is None:
-        with torch.device("meta"):
-            vae = AutoencoderKLWan.from_config(checkpoint.config("vae"))
-    index = checkpoint.model_index
-    helper = Cosmos3OmniPipeline(
-        transformer=transformer,
-        text_tokenizer=tokenizer,
-        vae=vae,
-        scheduler=UniPCMultistepScheduler.from_config(checkpoint.config("scheduler")),
-        enable_safety_checker=False,  # guardrail requests are rejected up front (no safety models offline)
-        default_use_system_prompt=index.get("default_use_system_prompt", True),
-        use_native_flow_schedule=index.get("use_native_flow_schedule", False),
-        sound_tokenizer=sound_tokenizer,  # read by prepare_latents for sound+action requests
-    )
-    helper.set_progress_bar_config(disable=True)
-    return helper
 
 
 def load_context(

@@ -16,14 +16,15 @@ from PIL import Image
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
+from cosmos3_batch.model.prompts import tokenize
 from cosmos3_batch.model.ulysses import SeqShard
+from cosmos3_batch.parallel.sequence import check_model, shard_rows
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
-from cosmos3_batch.sequence_parallel import check_model, shard_rows
 
 if TYPE_CHECKING:
-    from cosmos3_batch.pipeline.seq_group import SeqGroup
-    from cosmos3_batch.requests import Request
+    from cosmos3_batch.parallel.seq_group import SeqGroup
+    from cosmos3_batch.requests.parse import Request
 
 
 class RequestFailed(RuntimeError):
@@ -47,25 +48,6 @@ class Result:
     sound: torch.Tensor | None = None  # [channels, samples] float32 in [-1, 1]: the reference's `.sound`
     sample_rate: int | None = None  # of `sound`
     actions: torch.Tensor | None = None  # [T, D] float32: the reference's `.action[0]` (inverse dyn., policy)
-
-
-def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
-    """(cond, uncond) token ids, templated exactly as the reference pipeline does for this request."""
-    action = {}
-    if r.action is not None:  # the reference turns an action prompt into its structured JSON caption
-        action = {"action_mode": r.action.mode, "action_view_point": r.action.viewpoint}
-    return helper.tokenize_prompt(
-        r.prompt,
-        r.negative_prompt,
-        **action,
-        num_frames=r.num_frames,
-        height=r.height,
-        width=r.width,
-        fps=r.fps,
-        use_system_prompt=r.system_prompt,
-        add_resolution_template=r.use_resolution_template,
-        add_duration_template=r.use_duration_template,
-    )
 
 
 class RequestJob:

@@ -11,60 +11,39 @@ import logging
 import signal as signal_module
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
+from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
 from cosmos3_batch.config import RunConfig
-from cosmos3_batch.dist import World, init_world, teardown
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics, state_dir, write_passes
-from cosmos3_batch.model.loading import Checkpoint, CheckpointError, validate_checkpoint
+from cosmos3_batch.model.limits import limits_for
+from cosmos3_batch.model.loading import validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
-from cosmos3_batch.pipeline.context import build_helper, load_context, load_tokenizer
-from cosmos3_batch.pipeline.denoise import tokenize
+from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
+from cosmos3_batch.parallel.seq_group import build_seq_group
+from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
+from cosmos3_batch.parallel.world import World, init_world, teardown
+from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.job_plan import Plan
 from cosmos3_batch.pipeline.results import ResultWriter, output_key
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
-from cosmos3_batch.pipeline.seq_group import build_seq_group
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import build_summary, describe_summary, preview, rank_report, summary_name
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
-from cosmos3_batch.requests import ModelLimits, Request, RequestError, RequestFileError, load_requests
-from cosmos3_batch.schedule import assign, in_shard
-from cosmos3_batch.sequence_parallel import check_model, check_world, spans_nodes
+from cosmos3_batch.plan.schedule import assign, in_shard
+from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
 
 log = logging.getLogger("cosmos3_batch")
 
 
 class BadInput(ValueError):
     """Bad requests, flags or checkpoint, found before any weight was loaded (exit code 2)."""
-
-
-@dataclass
-class Plan:
-    model_dir: Path
-    requests: list[Request]  # to generate now
-    invalid: list[RequestError]  # skipped with --skip-invalid
-    complete: list[Request]  # already done by an earlier run (resume)
-    tokenizer: object = None
-    model_identity: str = ""
-
-
-def limits_for(checkpoint: Checkpoint, max_vision_tokens: int) -> ModelLimits:
-    from cosmos3_batch.request_modes import checkpoint_modes
-
-    vae = checkpoint.config("vae")
-    return ModelLimits(
-        spatial_factor=int(vae.get("scale_factor_spatial", 16)),
-        temporal_factor=int(vae.get("scale_factor_temporal", 4)),
-        max_vision_tokens=max_vision_tokens,
-        # Sound / action requests on a checkpoint without sound_tokenizer / action_gen: exit 2 up front.
-        **checkpoint_modes(checkpoint.model_index, checkpoint.config("transformer")),
-    )
 
 
 def token_errors(requests: list[Request], helper, model_limit: int) -> list[RequestError]:

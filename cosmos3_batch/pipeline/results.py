@@ -16,7 +16,7 @@ from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, iso_time
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
-from cosmos3_batch.requests import Request
+from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -41,7 +41,7 @@ def versions() -> dict[str, str]:
 
 @dataclass
 class ResultWriter:
-    """Writes each finished request's files (sidecar last) and its metrics row (columns: README, Outputs)."""
+    """Writes each finished request's files (sidecar last) and its metrics row (columns: docs/outputs.md)."""
 
     cfg: RunConfig
     model_dir: Path

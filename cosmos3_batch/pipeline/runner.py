@@ -4,7 +4,7 @@ Every pass, on every rank:
 1. fill free slots from the requests prefilled ahead, then one small all-reduce on a host (gloo) group:
    [active, starved slots, overdue, pending, needs-UND, finished, stop]; nothing active or pending
    anywhere, or a stop flag from any rank (SIGINT/SIGTERM), ends the run on every rank at the same pass;
-2. from those sums alone, every rank decides whether this is a UND (prefill) pass (`prefill.py`); on
+2. from those sums alone, every rank decides whether this is a UND (prefill) pass (`plan/prefill.py`); on
    one, each rank admits requests into its free slots and prefills a few more ahead;
 3. walk layers 0..L-1 fetching the same parts in the same order (GEN always, UND on UND passes): a
    rank with nothing active only takes part in the transfers; UND halves run for the branches being
@@ -34,11 +34,11 @@ from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.stop import StopRequest
-from cosmos3_batch.prefill import PrefillRule, RankSlots, SlotReport, und_pass
+from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
-    from cosmos3_batch.pipeline.seq_group import SeqGroup
-    from cosmos3_batch.requests import Request
+    from cosmos3_batch.parallel.seq_group import SeqGroup
+    from cosmos3_batch.requests.parse import Request
 
 # on_finished(job, result, error): exactly one of result / error is set.
 FinishedCallback = Callable[[RequestJob, Result | None, str | None], None]

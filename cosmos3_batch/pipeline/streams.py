@@ -117,7 +117,7 @@ def action_condition(request, conditioning):
     load_video frames."""
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
-    from cosmos3_batch.request_actions import load_actions
+    from cosmos3_batch.requests.actions import load_actions
 
     spec = request.action
     raw = torch.from_numpy(load_actions(spec)) if spec.actions is not None else None

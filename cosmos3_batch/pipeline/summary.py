@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cosmos3_batch.config import RunConfig
-from cosmos3_batch.dist import World
 from cosmos3_batch.io.metrics import iso_time
 from cosmos3_batch.model.numerics import cpu_numerics
+from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.results import versions
 
 if TYPE_CHECKING:
-    from cosmos3_batch.pipeline.job import Plan
+    from cosmos3_batch.pipeline.job_plan import Plan
     from cosmos3_batch.pipeline.results import ResultWriter
     from cosmos3_batch.pipeline.runner import PassRunner
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from cosmos3_batch.dist import World
+from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
 from cosmos3_batch.engine.transport import Counters, OffloadMode
-from cosmos3_batch.model.cosmos3 import GEN, UND, layer_parts, part_index
+from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND, layer_parts, part_index
 from cosmos3_batch.model.fp8 import Fp8Compute
-from cosmos3_batch.model.loading import Checkpoint
-
-# Two GEN slots and one UND slot (see engine/slots.py). Device memory for weights is
-# sum(engine.offload.slot_sizes(layouts, lanes, dict(LANE_SLOTS))): planner.py should count the same.
-LANE_SLOTS = ((GEN, 2), (UND, 1))
+from cosmos3_batch.parallel.world import World
 
 
 class ResidentWeights:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from cosmos3_batch.checkpoint import TensorStore
+from cosmos3_batch.checkpoint.reader import TensorStore
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
 from cosmos3_batch.engine.transport import OffloadMode
 

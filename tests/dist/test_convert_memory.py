@@ -16,14 +16,15 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import json, sys
-from scripts.mem_probe import PeakSampler, snapshot
-from cosmos3_batch.convert import convert_fp8
-from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
+from scripts.tools.mem_probe import PeakSampler, snapshot
+from cosmos3_batch.checkpoint.convert import convert_fp8
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.model.loading import build_transformer_on_meta, decoder_linear_weights
 # Lazy imports (diffusers' transformer module, ~75 MB) are not part of the figure: load them first.
 build_transformer_on_meta(Checkpoint.open(sys.argv[1]).config("transformer"))
 before = snapshot()["rss_anon"]
 sampler = PeakSampler()
-convert_fp8(sys.argv[1], sys.argv[2])
+convert_fp8(sys.argv[1], sys.argv[2], decoder_linear_weights)
 print(json.dumps({"peak_delta": sampler.stop() - before}))
 """
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosmos3_batch.convert import convert_fp8
+from cosmos3_batch.checkpoint.convert import convert_fp8
+from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.requests import load_requests
+from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.dist.test_memory import probe
 from tests.dist.test_runs import torchrun
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.dist
 def fp8_case(tiny_ckpt: Path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fp8run")
     fp8 = folder / "tiny-fp8"
-    convert_fp8(tiny_ckpt, fp8)
+    convert_fp8(tiny_ckpt, fp8, decoder_linear_weights)
     prompts = write_jsonl(folder / "p.jsonl", ROWS)
     requests, errors = load_requests(str(prompts))
     assert errors == []
@@ -66,7 +67,7 @@ def _bytes_per_pass(summary: dict) -> float:
 def test_fp8_moves_at_most_0_6x_the_bf16_bytes(tmp_path):
     bf16 = write_tiny(tmp_path / "bf16", TinySpec(dtype="bfloat16"))
     fp8 = tmp_path / "fp8"
-    convert_fp8(bf16, fp8)
+    convert_fp8(bf16, fp8, decoder_linear_weights)
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS)
     per_pass = {}
     for name, ckpt in (("bf16", bf16), ("fp8", fp8)):
@@ -85,7 +86,7 @@ def test_fp8_rank_holds_at_most_0_6x_the_bf16_shard_privately(tmp_path):
     spec = TinySpec(layers=24, hidden=256, heads=4, kv_heads=2, intermediate=1024, dtype="bfloat16")
     bf16 = write_tiny(tmp_path / "bf16", spec)
     fp8 = tmp_path / "fp8"
-    convert_fp8(bf16, fp8)
+    convert_fp8(bf16, fp8, decoder_linear_weights)
     held = {name: probe(ckpt, "allgather", tmp_path) for name, ckpt in (("bf16", bf16), ("fp8", fp8))}
     for b, f in zip(held["bf16"], held["fp8"], strict=True):
         assert f["rss_anon_delta"] <= 0.6 * b["rss_anon_delta"], (b, f)

@@ -1,4 +1,4 @@
-"""Host memory per rank, read from /proc by scripts/mem_probe.py under a real torchrun (N=2)."""
+"""Host memory per rank, read from /proc by scripts/tools/mem_probe.py under a real torchrun (N=2)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def wide_ckpt(tmp_path_factory) -> Path:
 def probe(ckpt: Path, mode: str, tmp_path: Path) -> list[dict]:
     out = tmp_path / f"{mode}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(ROOT / "scripts" / "mem_probe.py"), str(ckpt), mode, str(out)]
+    cmd += [str(ROOT / "scripts" / "tools" / "mem_probe.py"), str(ckpt), mode, str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,10 +59,10 @@ def test_local_mode_holds_no_layer_copy_and_naive_holds_all(mid_ckpt, tmp_path):
 def test_plan_matches_measured_memory(mid_ckpt, tmp_path):
     import torch
 
-    from cosmos3_batch import planner
+    from cosmos3_batch.checkpoint.folder import Checkpoint
     from cosmos3_batch.engine.transport import OffloadMode
-    from cosmos3_batch.model.loading import Checkpoint
-    from cosmos3_batch.requests import parse_lines
+    from cosmos3_batch.plan import planner
+    from cosmos3_batch.requests.parse import parse_lines
 
     ckpt = Checkpoint.open(mid_ckpt)
     shape = planner.model_shape(ckpt, world_size=2, fallback_dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosmos3_batch.requests import load_requests
+from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.dist.test_runs import assert_lockstep, torchrun
 from tests.unit.test_fidelity_modes import CLIP, run_reference

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cosmos3_batch.checkpoint import TensorStore
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.checkpoint.reader import TensorStore
 from cosmos3_batch.cli import app
 from cosmos3_batch.engine.layout import ParamSpec, build_part_layout
 from cosmos3_batch.model.cosmos3 import GEN, layer_parts
-from cosmos3_batch.model.loading import Checkpoint, build_transformer_on_meta
-from cosmos3_batch.prefill import PrefillRule
+from cosmos3_batch.model.loading import build_transformer_on_meta
+from cosmos3_batch.plan.prefill import PrefillRule
 from tests.conftest import assert_same_outputs, write_jsonl
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.requests import load_requests
+from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.dist.test_runs import kill_rank_1_midrun, torchrun
 from tests.reference import reference_kwargs

@@ -33,7 +33,13 @@ def command(nproc: int, prompts: Path, model: Path, out: Path, sp: int = 1) -> l
     run += ["--save-latents", "--no-progress", "--max-active", "2", "--sp", str(sp)]
     if nproc == 1:
         return [sys.executable, *run]
-    launcher = [sys.executable, "-m", "cosmos3_batch.launch", "--standalone", f"--nproc-per-node={nproc}"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "cosmos3_batch.parallel.launch",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+    ]
     return launcher + run
 
 

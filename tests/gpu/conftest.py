@@ -1,5 +1,5 @@
 """GPU tests on an image that lacks some packages (diffusers, imageio-ffmpeg): when `.whl/` holds wheels
-(made elsewhere by scripts/fetch_gpu_wheels.py), install them into a scratch folder before any test needs
+(made elsewhere by scripts/gpu/fetch_wheels.py), install them into a scratch folder before any test needs
 them. No network: pip installs from those files only. Nothing happens where diffusers is importable."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _bring_wheels() -> None:
     if importlib.util.find_spec("diffusers") is not None or not list((ROOT / ".whl").glob("*.whl")):
         return
     site = Path(os.environ.get("COSMOS3_GPU_SITE", "/tmp/cosmos3-site"))
-    script = ROOT / "scripts" / "fetch_gpu_wheels.py"
+    script = ROOT / "scripts" / "gpu" / "fetch_wheels.py"
     subprocess.run(
         [sys.executable, str(script), "--dest", str(ROOT / ".whl"), "--install", str(site)], check=True
     )

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos3_batch.model.fp8 import fp8_gemm_available, quantize_per_tensor, w8a8_linear, w8a16_linear
+from cosmos3_batch.checkpoint.fp8_format import quantize_per_tensor
+from cosmos3_batch.model.fp8 import fp8_gemm_available, w8a8_linear, w8a16_linear
 
 pytestmark = [
     pytest.mark.gpu,

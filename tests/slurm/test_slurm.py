@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cosmos3_batch.schedule import in_shard
+from cosmos3_batch.plan.schedule import in_shard
 from tests.conftest import assert_same_outputs, write_jsonl
 from tests.slurm.conftest import FINAL_STATES, JOB_DEADLINE_S, Cluster, Job, binary, free_port, job_logs, poll
 

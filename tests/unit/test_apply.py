@@ -7,7 +7,7 @@ import torch
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
-from cosmos3_batch.requests import parse_lines
+from cosmos3_batch.requests.parse import parse_lines
 
 ROWS = [
     '{"id": "img", "prompt": "a", "num_frames": 1, "size": "128x128", "num_inference_steps": 3}',

@@ -30,16 +30,17 @@ OURS = ["resident", "allgather", "local", "sharded", "resident-N1", "allgather-K
 NO_CUDA = not torch.cuda.is_available()
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _script(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses resolve their module while the class is built
     spec.loader.exec_module(module)
     return module
 
 
-gpu_check = _script("gpu_check")
-gpu_check_engine = _script("gpu_check_engine")  # imports gpu_check, registered just above
+gpu_layers = _script("layers", "gpu/layers.py")  # registered as `layers`, which its siblings import
+gpu_check = _script("gpu_check", "gpu/check.py")
+gpu_check_engine = _script("gpu_check_engine", "gpu/check_engine.py")
 
 
 @pytest.mark.dist
@@ -47,7 +48,7 @@ def test_bench_quick_writes_one_row_per_configuration(tmp_path):
     out = tmp_path / "bench.csv"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--csv", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "bench" / "offload_modes.py"), "--quick", "--csv", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -83,8 +84,8 @@ def test_bench_quick_writes_one_row_per_configuration(tmp_path):
 
 
 def test_vision_tokens_match_the_scheduler(tmp_path):
-    from cosmos3_batch.requests import load_requests
-    from cosmos3_batch.schedule import vision_tokens
+    from cosmos3_batch.plan.schedule import vision_tokens
+    from cosmos3_batch.requests.parse import load_requests
 
     sizes = [(832, 480, 29), (1280, 720, 29), (1280, 720, 189), (1024, 1024, 1), (64, 48, 9)]
     rows = [
@@ -94,9 +95,9 @@ def test_vision_tokens_match_the_scheduler(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     requests, _ = load_requests(str(path))
-    assert [gpu_check.vision_tokens(w, h, f) for w, h, f in sizes] == [vision_tokens(r) for r in requests]
+    assert [gpu_layers.vision_tokens(w, h, f) for w, h, f in sizes] == [vision_tokens(r) for r in requests]
     # 480p: 8 latent frames x 15 x 26; 720p: x 23 (720/32 rounds up) x 40; 189 frames: 48 latent frames.
-    assert [gpu_check.vision_tokens(v.width, v.height, v.frames) for v in gpu_check.VIDEOS] == [
+    assert [gpu_layers.vision_tokens(v.width, v.height, v.frames) for v in gpu_layers.VIDEOS] == [
         3120,
         7360,
         44160,
@@ -104,17 +105,17 @@ def test_vision_tokens_match_the_scheduler(tmp_path):
 
 
 def test_nano_layer_parts_are_equal_halves():
-    nano = gpu_check.NANO
+    nano = gpu_layers.NANO
     linear = 2 * nano.hidden * nano.hidden + 2 * nano.hidden * 1024 + 3 * nano.hidden * nano.intermediate
     norms = 2 * nano.hidden + 2 * nano.head_dim
-    assert gpu_check.part_bytes() == {"und": 2 * (linear + norms), "gen": 2 * (linear + norms)}  # bf16
+    assert gpu_layers.part_bytes() == {"und": 2 * (linear + norms), "gen": 2 * (linear + norms)}  # bf16
 
 
 def test_gen_flops_count_matmuls_and_attention():
-    nano, tokens, und = gpu_check.NANO, 3120, 256
+    nano, tokens, und = gpu_layers.NANO, 3120, 256
     linear = 2 * nano.hidden * nano.hidden + 2 * nano.hidden * 1024 + 3 * nano.hidden * nano.intermediate
-    assert gpu_check.gen_flops(tokens, 0) == 2 * tokens * linear + 4 * tokens * tokens * 4096
-    assert gpu_check.gen_flops(tokens, und) - gpu_check.gen_flops(tokens, 0) == 4 * tokens * und * 4096
+    assert gpu_layers.gen_flops(tokens, 0) == 2 * tokens * linear + 4 * tokens * tokens * 4096
+    assert gpu_layers.gen_flops(tokens, und) - gpu_layers.gen_flops(tokens, 0) == 4 * tokens * und * 4096
 
 
 def test_fetch_and_overlap_arithmetic():
@@ -125,7 +126,7 @@ def test_fetch_and_overlap_arithmetic():
 
 def test_budget_uses_its_clock():
     now = [100.0]
-    budget = gpu_check.Budget(60, clock=lambda: now[0])
+    budget = gpu_layers.Budget(60, clock=lambda: now[0])
     assert budget.allows(59) and not budget.allows(61)
     now[0] += 30
     assert budget.left() == 30 and not budget.allows(31)
@@ -140,7 +141,7 @@ def test_arguments():
 
 
 def test_markdown_table():
-    text = gpu_check.markdown(["a", "b"], [["x", 1.23456], [2, "y"]])
+    text = gpu_layers.markdown(["a", "b"], [["x", 1.23456], [2, "y"]])
     assert text.splitlines() == ["| a | b |", "| --- | --- |", "| x | 1.23 |", "| 2 | y |"]
 
 
@@ -148,17 +149,17 @@ def test_engine_check_wiring_on_cpu(tmp_path):
     """The engine section's path (checkpoint -> build_weights -> GEN passes) on CPU with tiny layers: every
     mode computes the very same GEN stream as the resident layers."""
     torch.manual_seed(0)
-    shape = gpu_check.LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+    shape = gpu_layers.LayerShape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
     cpu, count = torch.device("cpu"), 3
     with torch.no_grad():
-        layers = torch.nn.ModuleList(gpu_check.random_layer(cpu, shape) for _ in range(count))
+        layers = torch.nn.ModuleList(gpu_layers.random_layer(cpu, shape) for _ in range(count))
         gpu_check_engine.write_checkpoint(tmp_path / "transformer", layers)
-        branches = [gpu_check.branch(24, 8, count, cpu, shape) for _ in range(2)]
+        branches = [gpu_layers.branch(24, 8, count, cpu, shape) for _ in range(2)]
         results = {}
         for mode in ("resident", "local", "allgather"):
             weights = gpu_check_engine.engine_weights(mode, layers, tmp_path, count, cpu, shape)
             try:
-                gpu_check_engine.pass_seconds(weights, gpu_check.split_for(count), branches, count, 1, cpu)
+                gpu_check_engine.pass_seconds(weights, gpu_layers.split_for(count), branches, count, 1, cpu)
             finally:
                 weights.close()
             results[mode] = [seq.gen_hidden.clone() for seq, _ in branches]

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
 from cosmos3_batch.io.outputs import paths_for
-from cosmos3_batch.request_fields import LineErrors, check_id
-from cosmos3_batch.requests import load_requests
+from cosmos3_batch.requests.fields import LineErrors, check_id
+from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 
 REQUEST = {"id": "img", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}

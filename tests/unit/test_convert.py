@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from cosmos3_batch.checkpoint.convert import convert_fp8
+from cosmos3_batch.checkpoint.fp8_format import AMAX, FP8, SCALE, quantize_per_tensor
 from cosmos3_batch.cli import app
-from cosmos3_batch.convert import convert_fp8, quantizable
-from cosmos3_batch.model.fp8 import AMAX, FP8, SCALE, quantize_per_tensor
+from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
@@ -27,10 +28,10 @@ def bf16_ckpt(tmp_path_factory) -> Path:
 def test_layout(source: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     src = request.getfixturevalue(source)
     dst = tmp_path / "fp8"
-    report = convert_fp8(src, dst)
+    report = convert_fp8(src, dst, decoder_linear_weights)
     before, after = load_file(src / WEIGHTS), load_file(dst / WEIGHTS)
     config = json.loads((dst / "transformer" / "config.json").read_text())
-    targets = quantizable(config)
+    targets = decoder_linear_weights(config)
     assert report.quantized == len(targets) == 2 * 14  # 2 layers x (8 attention + 6 MLP) linears
     assert all(name.startswith("layers.") for name in targets)
     qc = config["quantization_config"]

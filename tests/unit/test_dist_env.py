@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cosmos3_batch.dist import DEFAULT_ALLOC_CONF, NCCL_ERROR_HANDLING, configure_process_env
+from cosmos3_batch.parallel.world import DEFAULT_ALLOC_CONF, NCCL_ERROR_HANDLING, configure_process_env
 
 NCCL = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 

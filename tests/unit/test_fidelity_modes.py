@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 
-from cosmos3_batch.requests import Request, load_requests
+from cosmos3_batch.requests.parse import Request, load_requests
 from tests.conftest import write_jsonl
 from tests.reference import reference_kwargs
 from tests.unit.test_fidelity import run_ours
@@ -227,9 +227,8 @@ def test_actions_have_the_domains_width(reference):
 
 
 def test_system_prompt_default_is_the_checkpoints(tiny_ckpt, requests_):
-    from cosmos3_batch.model.loading import Checkpoint
-    from cosmos3_batch.pipeline.context import build_helper, load_tokenizer
-    from cosmos3_batch.pipeline.denoise import tokenize
+    from cosmos3_batch.checkpoint.folder import Checkpoint
+    from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
 
     checkpoint = Checkpoint.open(tiny_ckpt)
     helper = build_helper(checkpoint, load_tokenizer(checkpoint))

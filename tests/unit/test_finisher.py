@@ -12,8 +12,8 @@ from cosmos3_batch.pipeline.denoise import RequestJob
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
-from cosmos3_batch.prefill import PrefillRule
-from cosmos3_batch.requests import parse_lines
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.requests.parse import parse_lines
 
 
 def test_passes_continue_while_a_finished_request_decodes(tiny_ckpt, monkeypatch):

@@ -14,15 +14,16 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from cosmos3_batch.checkpoint.convert import convert_fp8
+from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.cli import app
-from cosmos3_batch.convert import convert_fp8
 from cosmos3_batch.model.fp8 import Fp8Linear
-from cosmos3_batch.model.loading import Checkpoint
+from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.pipeline import job
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
-from cosmos3_batch.requests import load_requests
+from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.fp8_reference import reference_latents
 
@@ -39,7 +40,7 @@ ROWS = [
 @pytest.fixture(scope="module")
 def fp8_ckpt(tiny_ckpt: Path, tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("fp8") / "tiny-fp8"
-    convert_fp8(tiny_ckpt, dst)
+    convert_fp8(tiny_ckpt, dst, decoder_linear_weights)
     return dst
 
 
@@ -80,7 +81,7 @@ def _scale_file(ckpt: Path) -> Path:
 
 def truncate_at_scale(ckpt: Path) -> str:
     """Cut the file inside the last scale tensor's bytes."""
-    from cosmos3_batch.checkpoint import SafetensorsFile
+    from cosmos3_batch.checkpoint.reader import SafetensorsFile
 
     st = SafetensorsFile(_scale_file(ckpt))
     name, (_, _, start, _) = max(
@@ -117,7 +118,7 @@ def test_damaged_fp8_checkpoint_exits_2(damage, tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(job, "load_context", refuse)
     monkeypatch.setattr(job, "build_weights", refuse)
     ckpt = tmp_path / "fp8"
-    convert_fp8(tiny_ckpt, ckpt)
+    convert_fp8(tiny_ckpt, ckpt, decoder_linear_weights)
     what = damage(ckpt)
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS[:1])
     result = CliRunner().invoke(

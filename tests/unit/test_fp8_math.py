@@ -9,7 +9,8 @@ import pytest
 import torch
 from diffusers.pipelines.cosmos.mixed_precision import Cosmos3MixedPrecisionConfig, _w8a16_linear
 
-from cosmos3_batch.model.fp8 import FP8, Fp8Compute, make_compute, quantize_per_tensor, w8a16_linear
+from cosmos3_batch.checkpoint.fp8_format import FP8, quantize_per_tensor
+from cosmos3_batch.model.fp8 import Fp8Compute, make_compute, w8a16_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cosmos3_batch.convert import convert_fp8
-from cosmos3_batch.model.loading import Checkpoint
+from cosmos3_batch.checkpoint.convert import convert_fp8
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.planner import Hardware, model_shape, plan_job
+from cosmos3_batch.plan.planner import Hardware, model_shape, plan_job
 from tests.conftest import write_jsonl
 from tests.unit.test_fp8_fidelity import ROWS
 
@@ -16,7 +17,7 @@ from tests.unit.test_fp8_fidelity import ROWS
 def test_plan_counts_fp8_bytes(tmp_path: Path) -> None:
     bf16 = write_tiny(tmp_path / "bf16", TinySpec(dtype="bfloat16"))
     fp8 = tmp_path / "fp8"
-    convert_fp8(bf16, fp8)
+    convert_fp8(bf16, fp8, decoder_linear_weights)
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS)
     docs = {}
     for name, ckpt in (("bf16", bf16), ("fp8", fp8)):

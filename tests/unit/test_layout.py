@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cosmos3_batch.checkpoint import CheckpointFileError, SafetensorsFile, TensorStore
+from cosmos3_batch.checkpoint.reader import CheckpointFileError, SafetensorsFile, TensorStore
 from cosmos3_batch.engine.host import HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
 

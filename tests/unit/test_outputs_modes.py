@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 from cosmos3_batch.io import outputs
-from cosmos3_batch.request_actions import ActionSpec
+from cosmos3_batch.requests.actions import ActionSpec
 
 
 def test_stale_temporaries_of_mode_files_are_removed_for_these_ids_only(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from cosmos3_batch.checkpoint import TensorStore
+from cosmos3_batch.checkpoint.reader import TensorStore
 from cosmos3_batch.engine import cuda_backend
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
 from cosmos3_batch.engine.pinning import (

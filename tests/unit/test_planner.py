@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from cosmos3_batch import planner
-from cosmos3_batch.dist import World
+from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.engine.transport import OffloadMode
-from cosmos3_batch.model.loading import Checkpoint
+from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.weights import build_weights
-from cosmos3_batch.requests import parse_lines
+from cosmos3_batch.plan import planner
+from cosmos3_batch.requests.parse import parse_lines
 
 NANO = {
     "_class_name": "Cosmos3OmniTransformer",

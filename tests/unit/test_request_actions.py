@@ -9,7 +9,7 @@ import numpy as np
 from diffusers.pipelines.cosmos import pipeline_cosmos3_omni as ref
 from diffusers.video_processor import VideoProcessor
 
-from cosmos3_batch.request_actions import (
+from cosmos3_batch.requests.actions import (
     DOMAIN_WIDTHS,
     RESOLUTION_BINS,
     VIEWPOINTS,
@@ -17,7 +17,7 @@ from cosmos3_batch.request_actions import (
     canvas,
     load_actions,
 )
-from cosmos3_batch.requests import ModelLimits, parse_lines
+from cosmos3_batch.requests.parse import ModelLimits, parse_lines
 
 
 def test_tables_equal_the_reference():

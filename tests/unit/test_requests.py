@@ -11,8 +11,8 @@ import sys
 import pytest
 from PIL import Image
 
-from cosmos3_batch.request_actions import ActionSpec
-from cosmos3_batch.requests import (
+from cosmos3_batch.requests.actions import ActionSpec
+from cosmos3_batch.requests.parse import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
     ModelLimits,
@@ -556,7 +556,9 @@ def test_unused_mode_fields_leave_the_record_and_hash_as_they_were():
 
 def test_module_does_not_import_torch():
     heavy = "{'torch', 'diffusers', 'transformers'}"
-    code = f"import cosmos3_batch.requests, sys; assert not {heavy} & set(sys.modules), sys.modules.keys()"
+    code = (
+        f"import cosmos3_batch.requests.parse, sys; assert not {heavy} & set(sys.modules), sys.modules.keys()"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -570,7 +572,7 @@ def test_sound_on_a_checkpoint_without_it_is_named():
 
 
 def test_checkpoint_modes_read_from_configs():
-    from cosmos3_batch.request_modes import checkpoint_modes
+    from cosmos3_batch.requests.modes import checkpoint_modes
 
     with_tokenizer = {"sound_tokenizer": ["diffusers", "Cosmos3AVAEAudioTokenizer"]}
     assert checkpoint_modes(with_tokenizer, {"sound_gen": True})["sound"] is True

@@ -1,4 +1,4 @@
-"""schedule.py: deterministic, balanced, pure."""
+"""plan/schedule.py: deterministic, balanced, pure."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from cosmos3_batch.requests import parse_lines
-from cosmos3_batch.schedule import (
+from cosmos3_batch.plan.schedule import (
     action_tokens,
     assign,
     gen_tokens,
@@ -18,6 +17,7 @@ from cosmos3_batch.schedule import (
     sound_tokens,
     vision_tokens,
 )
+from cosmos3_batch.requests.parse import parse_lines
 
 
 def requests(*rows: str):
@@ -98,7 +98,7 @@ def test_more_ranks_than_requests_and_empty():
 
 
 def test_schedule_imports_no_torch():
-    code = "import cosmos3_batch.schedule, sys; assert 'torch' not in sys.modules"
+    code = "import cosmos3_batch.plan.schedule, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -12,16 +12,9 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.cosmos3 import _attention
+from cosmos3_batch.model.heads import HeadSplit, head_split
 from cosmos3_batch.model.ulysses import SeqShard
-from cosmos3_batch.sequence_parallel import (
-    MIN_SHARD_ROWS,
-    HeadSplit,
-    check_world,
-    group_ranks,
-    head_split,
-    shard_rows,
-    spans_nodes,
-)
+from cosmos3_batch.parallel.sequence import MIN_SHARD_ROWS, check_world, group_ranks, shard_rows, spans_nodes
 from tests.conftest import write_jsonl
 
 
@@ -194,7 +187,8 @@ def test_w8a8_under_sp_takes_the_whole_sequence_amax():
     """W8A8 quantizes activations per tensor: under --sp each rank sees only its rows, so the amax is
     reduced over the group; with it the shards reproduce the whole sequence's W8A8 bit for bit (torch
     2.13's CPU `_scaled_mm`), without it they do not. A rank with no rows still takes part (with 0)."""
-    from cosmos3_batch.model.fp8 import quantize_per_tensor, w8a8_linear
+    from cosmos3_batch.checkpoint.fp8_format import quantize_per_tensor
+    from cosmos3_batch.model.fp8 import w8a8_linear
 
     gen = torch.Generator().manual_seed(1)
     q, _, scale = quantize_per_tensor(torch.randn(64, 32, generator=gen) * 0.05)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cosmos3_batch import prefill, simulator
-from cosmos3_batch.prefill import PrefillRule
-from cosmos3_batch.simulator import PartBytes, SimRequest, simulate
+from cosmos3_batch.plan import prefill, simulator
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.simulator import PartBytes, SimRequest, simulate
 
 REQUESTS = [SimRequest("a", 2), SimRequest("b", 3, branches=2), SimRequest("c", 1)]
 

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cosmos3_batch.checkpoint import TensorStore
+from cosmos3_batch.checkpoint.reader import TensorStore
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, build_tokenizer, spec_record
 

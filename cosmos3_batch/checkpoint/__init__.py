@@ -1,0 +1,1 @@
+"""Checkpoints on disk: the folder, the safetensors reader (byte ranges, mmap), the FP8 format, `convert`."""

@@ -1,0 +1,19 @@
+"""What requests a checkpoint can take: latent factors, the vision-token cap and its generation modes."""
+
+from __future__ import annotations
+
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.requests.fields import ModelLimits
+
+
+def limits_for(checkpoint: Checkpoint, max_vision_tokens: int) -> ModelLimits:
+    from cosmos3_batch.requests.modes import checkpoint_modes
+
+    vae = checkpoint.config("vae")
+    return ModelLimits(
+        spatial_factor=int(vae.get("scale_factor_spatial", 16)),
+        temporal_factor=int(vae.get("scale_factor_temporal", 4)),
+        max_vision_tokens=max_vision_tokens,
+        # Sound / action requests on a checkpoint without sound_tokenizer / action_gen: exit 2 up front.
+        **checkpoint_modes(checkpoint.model_index, checkpoint.config("transformer")),
+    )

@@ -1,0 +1,1 @@
+"""The world and its process groups, sequence parallelism, and the torchrun launcher."""

@@ -1,0 +1,81 @@
+"""The process group of one `--sp` group and its all-to-all (the transport model/ulysses.py calls).
+
+Every rank creates every group's communicator, in the same order (torch requires it of `new_group`),
+then keeps its own. The all-to-alls run on the compute thread and (CUDA) the compute stream, on a group of
+their own: they never interleave with the layer gathers on the gather group, which the CPU fetch worker
+issues from its own thread, and CUDA issues from the compute thread onto the comm stream (so on CUDA every
+rank issues gathers and all-to-alls in the same host order, and the two communicators cannot wait on
+each other). Each one is noted in the pass trace with its row counts, so a test
+can hold every rank of a group to the same sequence of collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cosmos3_batch.parallel.sequence import group_ranks
+from cosmos3_batch.parallel.world import CPU
+
+
+@dataclass
+class SeqGroup:
+    size: int  # S
+    rank: int  # this rank's index in its group (0 leads: decodes, writes, reports)
+    index: int  # which group (the "rank" of the pass protocol)
+    group: object = None
+    device: torch.device = CPU  # where the group's tensors live (NCCL: this rank's GPU)
+    note: Callable[[str], None] | None = None  # the pass trace (PassSync.note)
+    all_to_alls: int = 0
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def all_to_all_rows(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        self.all_to_alls += 1
+        if self.note is not None:
+            # Named the same on every rank of the group: the group's row split (one side is this rank's own
+            # rows repeated) and the shape of a row.
+            split = recv_rows if len(set(send_rows)) == 1 else send_rows
+            row = "x".join(map(str, send.shape[1:]))
+            self.note(f"all_to_all:{','.join(map(str, split))}:{row}")
+        out = send.new_empty((sum(recv_rows), *send.shape[1:]))
+        dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
+        return out
+
+    def max_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """A scalar's max over the group (W8A8's activation amax under --sp, model/fp8.py)."""
+        if self.note is not None:
+            self.note("max:1")
+        out = value.reshape(1).to(self.device, torch.float32)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out.reshape(())
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag AND-ed over the group's ranks (one small all-reduce)."""
+        if self.note is not None:
+            self.note(f"agree:{len(flags)}")
+        tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return [bool(v) for v in tensor.tolist()]
+
+
+def build_seq_group(
+    rank: int, world_size: int, sp: int, device: torch.device, timeout_s: float
+) -> SeqGroup | None:
+    """This rank's group, or None at --sp 1 (no group, no extra collective)."""
+    if sp == 1:
+        return None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = None
+    for ranks in group_ranks(world_size, sp):
+        # Collective over the whole world: every rank makes every group, in the same order.
+        group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
+        if rank in ranks:
+            mine = group
+    return SeqGroup(sp, rank % sp, rank // sp, mine, device)

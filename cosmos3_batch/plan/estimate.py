@@ -1,0 +1,33 @@
+"""What the planner estimates for a job, as plain numbers (plan/planner.py computes, plan/text.py prints)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Estimate:
+    world_size: int
+    nnodes: int
+    mode: str
+    max_active: int
+    slot_bytes: int  # the largest fetch slot on the device
+    slots_bytes: int  # all fetch slots the engine allocates (two GEN slots and one UND slot)
+    layer_bytes: int  # all layer parts, padded
+    host_private_bytes_per_rank: int
+    page_cache_bytes_per_node: int  # must stay cached (local mode); other modes read the files once
+    device_bytes_per_rank: int
+    activation_bytes_per_rank: int
+    bytes_h2d_per_pass: int
+    bytes_gathered_per_pass: int
+    seconds_per_pass: float
+    outputs_per_hour: float
+    job_hours: float
+    idle_share: float
+    warnings: list[str]
+    sp: int = 1  # --sp: ranks per sequence-parallel group
+    all_to_all_bytes_per_pass: int = 0  # sent by one rank (--sp)
+    all_to_all_s_per_pass: float = 0.0  # included in seconds_per_pass (on the compute stream, not overlapped)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

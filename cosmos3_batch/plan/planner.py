@@ -1,0 +1,368 @@
+"""Sizing a job before submitting it: memory per rank, bytes per pass and a throughput roofline.
+
+Reads config.json and safetensors headers only (no weights). Memory figures follow the engine's own
+layout rules (engine/layout.py), so "device slot" here is the exact slot the engine will allocate.
+The roofline: every pass walks the GEN parts; a part costs max(compute, fetch) because fetch k+1
+overlaps compute k; compute is 2 x params x tokens plus attention; fetch is the H2D copy of a
+rank's shard plus the AllGather of the rest.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.checkpoint.reader import CheckpointFileError
+from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
+from cosmos3_batch.engine.offload import slot_sizes
+from cosmos3_batch.engine.transport import OffloadMode
+from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND, layer_parts
+from cosmos3_batch.model.loading import build_transformer_on_meta
+from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
+from cosmos3_batch.plan import text as plan_text
+from cosmos3_batch.plan.estimate import Estimate
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.schedule import assign, gen_tokens
+from cosmos3_batch.plan.simulator import PartBytes, SimRequest, Simulation, simulate
+from cosmos3_batch.requests.parse import Request
+
+GB = 1e9
+IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU figures. Defaults: an H100/H200 SXM node (PCIe Gen5 host links, NVLink, 400G IB)."""
+
+    h2d_gbps: float = 50.0  # achievable pinned host->device per GPU
+    gather_gbps: float = 350.0  # AllGather bus bandwidth inside a node (NVLink)
+    inter_node_gbps: float = 45.0  # per GPU across nodes
+    tflops: float = 600.0  # achievable dense bf16 (H100 SXM peak 989, H200 the same)
+    device_gib: float = 80.0  # H100 80 GB; H200: 141
+    host_gib_per_node: float = 2000.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    act_bytes: int  # bytes per activation element (the unquantized weights' dtype: FP8 computes in it)
+    parts: tuple[PartLayout, ...]  # at the job's world size
+    host_resident_bytes: int  # embed_tokens: looked up on the host
+    device_resident_bytes: int  # every other non-layer weight (lm_head excluded: never read)
+    vae_bytes: int
+
+
+def model_shape(checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.dtype) -> ModelShape:
+    """From config.json, with each tensor's dtype from the safetensors headers when the files exist."""
+    cfg = checkpoint.config("transformer")
+    try:
+        store = checkpoint.store("transformer")
+        dtype_of = lambda name: store.info(name)[0]  # noqa: E731
+    except (ValueError, CheckpointFileError):
+        store = None
+        dtype_of = lambda name: fallback_dtype  # noqa: E731 (a config-only folder: plan a download)
+    model = build_transformer_on_meta(
+        cfg, store
+    )  # FP8: e4m3 weights and their scales, as the engine lays out
+    parts = tuple(
+        build_part_layout(
+            key,
+            [ParamSpec(name, dtype_of(name), tuple(getattr(m, leaf).shape)) for m, leaf, name in params],
+            world_size,
+        )
+        for key, params in layer_parts(model.layers)
+    )
+    resident = {n: p for n, p in model.named_parameters() if not n.startswith("layers.")}
+    nbytes = {n: p.numel() * dtype_of(n).itemsize for n, p in resident.items()}
+    host = sum(v for n, v in nbytes.items() if n.startswith("embed_tokens."))
+    vae_params = _vae_param_count(checkpoint)
+    return ModelShape(
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        intermediate=cfg["intermediate_size"],
+        heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        act_bytes=dtype_of("embed_tokens.weight").itemsize,
+        parts=parts,
+        host_resident_bytes=host,
+        device_resident_bytes=sum(nbytes.values()) - host,
+        vae_bytes=vae_params * 4,
+    )
+
+
+def _vae_param_count(checkpoint: Checkpoint) -> int:
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(checkpoint.config("vae"))
+    return sum(p.numel() for p in vae.parameters())
+
+
+def _activation_bytes(shape: ModelShape, active: list[tuple[int, int, int]]) -> int:
+    """(branches, und tokens, gen tokens) per active request -> bytes kept + the largest transient."""
+    kv = shape.kv_heads * shape.head_dim
+    kept, transient = 0, 0
+    for branches, und, gen in active:
+        und_cache = shape.layers * und * kv * 2  # K and V per layer, kept for the request's life
+        kept += branches * (und_cache + gen * shape.hidden) * shape.act_bytes
+        mlp = gen * shape.intermediate * 3  # gate, up, and their product
+        qkv = gen * (shape.heads * shape.head_dim + 2 * kv)
+        attn = qkv + (und + gen) * 2 * kv  # plus the UND+GEN keys/values concatenated for attention
+        transient = max(transient, (mlp + attn + 2 * gen * shape.hidden) * shape.act_bytes)
+    return kept + transient
+
+
+def estimate(
+    shape: ModelShape,
+    requests: list[Request],
+    und_tokens: dict[str, int],
+    world_size: int,
+    nnodes: int,
+    mode: OffloadMode,
+    max_active: int,
+    hw: Hardware,
+    lookahead: int = 0,
+    sp: int = 1,
+) -> Estimate:
+    gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
+    layer_bytes = sum(p.nbytes for p in shape.parts)
+    shards = sum(p.shard_bytes for p in shape.parts)
+    slot = max(p.nbytes for p in shape.parts)
+    per_node = max(1, world_size // nnodes)
+    # A typical pass: K copies of the median request (by GEN tokens: vision + sound + action) on every rank.
+    typical = sorted(requests, key=gen_tokens)[len(requests) // 2] if requests else None
+    branches = 1 if typical is None or typical.guidance_scale == 1.0 else 2
+    gen_len = gen_tokens(typical) if typical else 0
+    und = int(statistics.median(und_tokens.values())) if und_tokens else 0
+    active = [(branches, und, gen_len)] * (max_active if typical else 0)
+    # Requests prefilled ahead hold their UND K/V (no GEN stream yet) until a slot frees.
+    ahead = [(branches, und, 0)] * (lookahead if typical else 0)
+    activations = _activation_bytes(shape, active + ahead)
+    h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
+    sequences = branches * max_active if typical else 0
+    work = (sequences, gen_len, und)
+    pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, work, sp)
+    groups = world_size // sp
+    a2a = SpCost(activations, 0, 0.0)
+    if sp > 1:  # a group of S holds K requests; each rank 1/S of their GEN rows, all of their UND K/V
+        a2a_gbps = hw.gather_gbps if not spans_nodes(sp, per_node) else hw.inter_node_gbps
+        dims = dict(
+            hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            intermediate=shape.intermediate,
+        )  # fmt: skip
+        held = branches * (len(active) + len(ahead))
+        a2a = sp_cost(dims, sp, (*work, held), shape.layers, shape.act_bytes, a2a_gbps)
+        activations, pass_s = a2a.activation_bytes, pass_s + a2a.all_to_all_s
+    host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
+    device = shape.device_resident_bytes + shape.vae_bytes + activations
+    lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
+    slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
+    device += layer_bytes if mode is OffloadMode.RESIDENT else slots
+    device += shards if mode is OffloadMode.SHARDED else 0
+    assignment = assign(requests, groups)
+    token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
+    busiest = max(assignment.costs, default=0.0)
+    job_hours = busiest / token_steps_per_s / 3600 if token_steps_per_s else 0.0
+    steps = typical.num_inference_steps if typical else 1
+    outputs_per_hour = groups * max_active * 3600 / (steps * pass_s) if pass_s > 0 else 0.0
+    est = Estimate(
+        world_size, nnodes, mode.value, max_active, slot, slots, layer_bytes, host_private,
+        layer_bytes if mode is OffloadMode.LOCAL else 0,
+        device, activations, h2d, gathered, pass_s, outputs_per_hour, job_hours, assignment.idle_share, [],
+        sp, a2a.all_to_all_bytes, a2a.all_to_all_s,
+    )  # fmt: skip
+    est.warnings = _warnings(est, per_node, hw)
+    return est
+
+
+def _bytes_per_pass(gen_parts: list[PartLayout], mode: OffloadMode, world: int) -> tuple[int, int]:
+    shard = sum(p.shard_bytes for p in gen_parts)
+    full = sum(p.nbytes for p in gen_parts)
+    gathered = full - shard if world > 1 else 0
+    return {
+        OffloadMode.ALLGATHER: (shard, gathered),
+        OffloadMode.LOCAL: (sum(p.payload_bytes for p in gen_parts), 0),
+        OffloadMode.SHARDED: (0, gathered),
+        OffloadMode.RESIDENT: (0, 0),
+    }[mode]
+
+
+def _seconds_per_pass(
+    shape: ModelShape,
+    gen_parts: list[PartLayout],
+    mode: OffloadMode,
+    job: tuple[int, int],
+    hw: Hardware,
+    work: tuple[int, int, int],
+    sp: int = 1,
+) -> float:
+    """job = (world size, nodes); work = (sequences per rank, GEN tokens each, UND tokens each); under --sp
+    each rank of a group computes 1/S of it (its rows for the token-wise ops, its heads in attention)."""
+    (world, nnodes), (sequences, gen, und) = job, work
+    gather_bw = hw.gather_gbps if nnodes == 1 else min(hw.gather_gbps, hw.inter_node_gbps)
+    # Per sequence: QK^T and PV over UND+GEN keys, 2 FLOPs per multiply-add each.
+    attn_flops = sequences * 4 * gen * (gen + und) * shape.heads * shape.head_dim
+    total = 0.0
+    for part in gen_parts:
+        params = sum(p.spec.nbytes // p.spec.dtype.itemsize for p in part.params)  # FP8: 1 byte each
+        compute = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12) / sp
+        h2d, gathered = _bytes_per_pass([part], mode, world)
+        fetch = h2d / (hw.h2d_gbps * GB) + gathered / (gather_bw * GB)
+        total += max(compute, fetch)
+    return total
+
+
+def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
+    notes = []
+    if est.device_bytes_per_rank > hw.device_gib * 2**30:
+        notes.append(
+            f"device memory {est.device_bytes_per_rank / 2**30:.1f} GiB > --device-gib {hw.device_gib:g}: "
+            "lower --max-active, or use --offload allgather (resident/sharded keep weights on the device)"
+        )
+    host_node = est.host_private_bytes_per_rank * per_node + est.page_cache_bytes_per_node
+    if host_node > hw.host_gib_per_node * 2**30:
+        notes.append(
+            f"host memory {host_node / 2**30:.1f} GiB per node > --host-gib {hw.host_gib_per_node:g}: "
+            "use more nodes (--nnodes) so each rank keeps a smaller shard"
+        )
+    return notes
+
+
+def idle_warning(idle_share: float) -> str | None:
+    """Shown with or without --model: the schedule alone predicts it."""
+    if idle_share > IDLE_WARN_SHARE:
+        return f"predicted idle share {idle_share:.0%}: fewer ranks, or more requests per rank"
+    return None
+
+
+def prompt_tokens(checkpoint: Checkpoint, requests: list[Request]) -> dict[str, int]:
+    """Cond-branch UND length of each request, templated exactly as generation will do it."""
+    from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
+
+    helper = build_helper(checkpoint, load_tokenizer(checkpoint))
+    tokens = {}
+    for r in requests:
+        cond, _ = tokenize(helper, r)
+        tokens[r.id] = len(cond)
+    return tokens
+
+
+def simulate_job(
+    queues: list[list[Request]],
+    max_active: int,
+    rule: PrefillRule,
+    shape: ModelShape | None,
+    mode: OffloadMode,
+    world: int,
+) -> Simulation:
+    """The pass simulator on this job's schedule, with the engine's part sizes when the model is known."""
+    parts = PartBytes()
+    if shape is not None:
+        gen = [p for p in shape.parts if p.key.endswith(GEN)]
+        und = [p for p in shape.parts if not p.key.endswith(GEN)]
+        parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
+    sim_queues = [
+        [SimRequest(r.id, r.num_inference_steps, 1 if r.guidance_scale == 1.0 else 2) for r in queue]
+        for queue in queues
+    ]
+    return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))
+
+
+def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
+    """What the layers are stored as (FP8 halves every byte figure of the plan) and their total size."""
+    fp8 = bool(checkpoint.config("transformer").get("quantization_config"))
+    dtypes = sorted({str(p.spec.dtype).removeprefix("torch.") for part in shape.parts for p in part.params})
+    return {
+        "format": "fp8 e4m3 per-tensor (ModelOpt) + scales" if fp8 else "/".join(dtypes),
+        "fp8": fp8,
+        "layer_gib": sum(part.payload_bytes for part in shape.parts) / 2**30,
+    }
+
+
+def plan_job(
+    prompts: Path,
+    model: Path | None,
+    nproc: int,
+    nnodes: int,
+    offload: str,
+    max_active: int,
+    hw: Hardware,
+    shard: str | None = None,
+    max_vision_tokens: int = 65536,
+    rule: PrefillRule | None = None,
+    sp: int = 1,
+) -> tuple[dict, str]:
+    """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
+    rule = rule if rule is not None else PrefillRule()
+    from cosmos3_batch.engine.transport import parse_offload
+    from cosmos3_batch.model.limits import limits_for
+    from cosmos3_batch.plan.schedule import describe as describe_schedule
+    from cosmos3_batch.plan.schedule import in_shard, parse_shard
+    from cosmos3_batch.requests.parse import ModelLimits, load_requests
+
+    if nproc < 1 or nnodes < 1 or nproc % nnodes:
+        raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
+    mode = parse_offload(offload)
+    groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
+    checkpoint = Checkpoint.open(model) if model is not None else None
+    if checkpoint is not None:
+        check_model(sp, checkpoint.config("transformer"))
+    limits = (
+        limits_for(checkpoint, max_vision_tokens)
+        if checkpoint
+        else ModelLimits(max_vision_tokens=max_vision_tokens)
+    )
+    requests = load_requests(str(prompts), limits)[0]
+    if shard is not None:
+        index, count = parse_shard(shard)
+        requests = [r for r in requests if in_shard(r.id, index, count)]
+    assignment = assign(requests, groups)
+    doc: dict = {
+        "sp": sp,
+        "requests": len(requests),
+        "ranks": [
+            {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
+            for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
+        ],
+        "predicted_idle_share": assignment.idle_share,
+        "total_work": sum(assignment.costs),
+    }
+    where = (
+        f"{nproc} rank(s)"
+        if sp == 1
+        else f"{nproc} ranks in {groups} --sp {sp} groups (a group is a rank below)"
+    )
+    text = [f"{len(requests)} valid requests on {where}; work in GEN-token x steps x branches"]
+    text.append(describe_schedule(assignment))
+    shape = model_shape(checkpoint, nproc, torch.bfloat16) if checkpoint is not None else None
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
+    doc["simulation"] = sim.to_dict()
+    text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
+    if shape is not None:
+        doc["weights"] = weight_format(checkpoint, shape)
+        text.append(f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB")
+        tokens = prompt_tokens(checkpoint, requests)
+        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
+        doc["estimate"] = est.to_dict()
+        if not plan_text.resolvable(est):
+            doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
+        text += ["", plan_text.describe(est)]
+    else:
+        text.append(
+            "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
+            "(reads only the checkpoint's configs and headers)"
+        )
+    if warning := idle_warning(assignment.idle_share):
+        doc.setdefault("warnings", []).append(warning)
+        text.append(f"WARNING: {warning}")
+    return doc, "\n".join(text)

@@ -1,0 +1,92 @@
+"""What `plan` prints: the estimate and the simulation as text (plan/planner.py computes them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cosmos3_batch.plan.estimate import Estimate
+    from cosmos3_batch.plan.prefill import PrefillRule
+    from cosmos3_batch.plan.simulator import Simulation
+
+MIN_PASS_S = 1e-3  # the roofline cannot resolve faster passes
+
+
+def resolvable(est: Estimate) -> bool:
+    """Below a millisecond per pass the roofline says nothing true (launch and Python overheads dominate):
+    print no throughput then rather than billions of outputs per hour."""
+    return est.seconds_per_pass >= MIN_PASS_S
+
+
+def describe(est: Estimate) -> str:
+    rows = [
+        (
+            "ranks x nodes",
+            f"{est.world_size} x {est.nnodes}  (--offload {est.mode}, --max-active {est.max_active})",
+        ),
+        ("layer weights (padded)", _size(est.layer_bytes)),
+        ("host private per rank", f"{_size(est.host_private_bytes_per_rank)} (shards + embeddings)"),
+        ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
+        (
+            "device per rank",
+            f"{_size(est.device_bytes_per_rank)} (weight slots: {_size(est.slots_bytes)}, 2 GEN + 1 UND)",
+        ),
+        (
+            "  of which activations",
+            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active + UND K/V prefilled ahead",
+        ),
+        (
+            "per pass per rank",
+            f"{_size(est.bytes_h2d_per_pass)} H2D, {_size(est.bytes_gathered_per_pass)} gathered",
+        ),
+    ]
+    if est.sp > 1:
+        rows.append(
+            (
+                "sequence parallel",
+                f"--sp {est.sp}: {est.world_size // est.sp} group(s) of {est.sp}; all-to-alls "
+                f"{_size(est.all_to_all_bytes_per_pass)} per pass per rank, "
+                f"{est.all_to_all_s_per_pass:.4f} s",
+            )
+        )
+    if resolvable(est):
+        rows += [
+            ("seconds per pass", f"{est.seconds_per_pass:.3f} (roofline)"),
+            ("outputs per hour", f"{est.outputs_per_hour:,.1f} (whole job, typical request)"),
+            ("job time", f"{est.job_hours:.2f} h (busiest rank), idle share {est.idle_share:.1%}"),
+        ]
+    else:
+        rows.append(
+            (
+                "seconds per pass",
+                f"below {MIN_PASS_S * 1e3:g} ms: too small a model for the roofline to predict a time",
+            )
+        )
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"WARNING: {w}" for w in est.warnings]
+    return "\n".join(lines)
+
+
+def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, with_bytes: bool) -> str:
+    rule_text = (
+        f"--prefill-free-share {rule.free_share:g} --prefill-max-wait {rule.max_wait} "
+        f"--prefill-lookahead {rule.lookahead}, --max-active {max_active}"
+    )
+    lines = [
+        f"simulated passes        {sim.passes:,} ({sim.und_passes:,} UND passes; {rule_text})",
+        f"mean slot occupancy     {sim.occupancy:.1%}",
+    ]
+    if with_bytes:
+        lines += [
+            f"weight bytes per output {_size(sim.bytes_per_output)} (UND halves: {sim.und_byte_share:.1%})",
+            f"weight bytes per rank   {_size(sim.bytes_per_rank)} over the run",
+        ]
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -1,0 +1,1 @@
+"""Request files -> validated Request objects: fields, generation modes, actions."""

@@ -1,0 +1,169 @@
+"""The house rules of DESIGN.md §3, read from the source: no import circles between files or wings, wings
+import downwards only, and the forbidden imports stay out (the model never reaches torch.distributed, the
+engine never reaches diffusers, planning and request parsing never reach torch). Type-only and
+function-level imports count: they are dependencies all the same."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "cosmos3_batch"
+SCRIPTS = ROOT / "scripts"
+
+# Top to bottom: a wing may import the wings below it, never one above it or beside it on the same row.
+LAYERS = [
+    {"__main__"},
+    {"cli"},
+    {"pipeline"},
+    {"config"},
+    {"plan"},
+    {"parallel"},
+    {"engine", "model"},
+    {"io"},
+    {"requests", "checkpoint"},
+]
+# (modules, what they must not reach, directly or through the package's own imports)
+FORBIDDEN = [
+    ("cosmos3_batch.model", "torch.distributed"),
+    ("cosmos3_batch.engine", "diffusers"),
+    ("cosmos3_batch.plan.simulator", "torch"),
+    ("cosmos3_batch.plan.schedule", "torch"),
+    ("cosmos3_batch.plan.prefill", "torch"),
+    ("cosmos3_batch.requests", "torch"),
+]
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def imports(path: Path) -> Iterator[str]:
+    """Every module a file imports, anywhere in it (`from pkg import mod` yields pkg.mod when it is one)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}"
+
+
+def package_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        # Only real modules of ours are edges (not `pkg.SomeClass`); the package face itself is the base.
+        graph[name] = {m for m in imports(path) if m in files and m not in (name, "cosmos3_batch")}
+    return graph
+
+
+def external(name: str) -> set[str]:
+    return {m for m in imports(PACKAGE_FILES[name]) if not m.startswith("cosmos3_batch")}
+
+
+PACKAGE_FILES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = package_graph()
+
+
+def wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "cosmos3_batch"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_no_two_files_import_each_other_even_through_others():
+    assert find_cycle(GRAPH) is None
+
+
+def test_wings_import_downwards_only():
+    level = {w: i for i, row in enumerate(LAYERS) for w in row}
+    wings = {wing(m) for m in GRAPH} - {"cosmos3_batch"}
+    assert wings <= set(level), f"wings missing from LAYERS: {sorted(wings - set(level))}"
+    wrong = sorted(
+        f"{a} -> {b} ({wing(a)} may not import {wing(b)})"
+        for a, targets in GRAPH.items()
+        for b in targets
+        if wing(a) != wing(b) and wing(a) != "cosmos3_batch" and level[wing(a)] >= level[wing(b)]
+    )
+    assert wrong == []
+
+
+def test_the_package_face_imports_nothing_of_ours():
+    # Every import of any module runs cosmos3_batch/__init__.py first: it must stay a leaf.
+    assert not [m for m in imports(PACKAGE / "__init__.py") if m.startswith("cosmos3_batch")]
+
+
+def reach(module: str) -> set[str]:
+    """The package's modules `module` depends on, itself included."""
+    seen, todo = set(), [module]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo += GRAPH.get(node, ())
+    return seen
+
+
+@pytest.mark.parametrize(("scope", "banned"), FORBIDDEN, ids=[f"{s}-{b}" for s, b in FORBIDDEN])
+def test_forbidden_imports(scope, banned):
+    targets = [m for m in GRAPH if m == scope or m.startswith(scope + ".")]
+    assert targets, scope
+    offenders = sorted(
+        f"{m} (via {dep})"
+        for m in targets
+        for dep in reach(m)
+        if any(e == banned or e.startswith(banned + ".") for e in external(dep))
+    )
+    assert offenders == []
+
+
+def test_the_checker_sees_what_it_should():
+    # Guards against a walker that finds nothing: known edges of the tree are there.
+    assert "cosmos3_batch.model.cosmos3" in GRAPH["cosmos3_batch.model.batched"]
+    assert "cosmos3_batch.requests.fields" in GRAPH["cosmos3_batch.requests.parse"]
+    assert "torch.distributed" in external("cosmos3_batch.parallel.world")
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_modules_and_scripts_stay_small():
+    files = [*PACKAGE.rglob("*.py"), *SCRIPTS.rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_scripts_import_no_circle():
+    # Scripts import their siblings by bare name (each folder is put on sys.path by the script itself).
+    graph = {}
+    for path in SCRIPTS.rglob("*.py"):
+        siblings = {p.stem for p in path.parent.glob("*.py")} - {path.stem}
+        graph[str(path.relative_to(ROOT))] = {
+            str((path.parent / f"{m.split('.')[0]}.py").relative_to(ROOT))
+            for m in imports(path)
+            if m.split(".")[0] in siblings
+        }
+    assert find_cycle(graph) is None
