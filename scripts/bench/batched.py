@@ -88,7 +88,9 @@ def grouped(max_rows: int, half: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--images", type=int, default=4, help="active requests (K)")
     parser.add_argument("--tokens", type=int, default=1024, help="GEN tokens per image (1024 = 1024x1024 px)")
     parser.add_argument("--text", type=int, default=120, help="UND (prompt + template) tokens per branch")

@@ -175,8 +175,15 @@ def real(world: int = 4, max_active: int = 4) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--real", action=argparse.BooleanOptionalAction, default=True)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--real",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also check the rule on a real run",
+    )
     args = parser.parse_args()
     if args.real:
         real()

@@ -83,8 +83,10 @@ def same_latents(a: Path, b: Path) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=4)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world", type=int, default=4, help="ranks (torchrun --nproc-per-node)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and short requests (smoke run)")
     parser.add_argument("--keep", type=Path, help="keep the checkpoint and outputs here")
     args = parser.parse_args()

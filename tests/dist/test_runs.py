@@ -31,6 +31,9 @@ pytestmark = pytest.mark.dist
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+MIX = 10  # requests in the shared mix
+
+
 def random_mix(seed: int, count: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -64,7 +67,7 @@ def single(*args, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory, tiny_ckpt):
     folder = tmp_path_factory.mktemp("mix")
-    prompts = write_jsonl(folder / "mix.jsonl", random_mix(seed=0, count=7))
+    prompts = write_jsonl(folder / "mix.jsonl", random_mix(seed=0, count=MIX))
     ref = folder / "ref"
     proc = single(prompts, "--model", tiny_ckpt, "--out", ref, "--offload", "resident", "--save-latents")
     assert proc.returncode == 0, proc.stderr
@@ -114,20 +117,40 @@ def assert_lockstep(summary: dict, world_size: int) -> None:
     assert ranks[0]["all_reduces"] == ranks[0]["passes"] + 1  # one per pass, and the one that ends the run
 
 
-@pytest.mark.parametrize("mode", ["allgather", "local", "sharded"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+# The allgather runs at 2-4 ranks also take the prefill rules' extremes (look-ahead, every starved slot,
+# a long wait): prefilled-ahead requests, waits and coalesced UND passes change when UND runs, never outputs.
+# (mode, world) -> (--max-active, prefill rule); the outputs must not depend on --max-active either.
+CONFIGS = {
+    ("allgather", 1): (2, PrefillRule()),
+    ("allgather", 2): (2, PrefillRule(0.5, 1, 3)),
+    ("allgather", 3): (3, PrefillRule(1.0, 0, 0)),
+    ("allgather", 4): (2, PrefillRule(0.25, 6, 1)),
+    **{
+        (mode, world): (1 + world % 3, PrefillRule())
+        for mode in ("local", "sharded")
+        for world in (1, 2, 3, 4)
+    },
+}
+
+
+@pytest.mark.parametrize(("mode", "world_size"), list(CONFIGS), ids=[f"{m}-{w}" for m, w in CONFIGS])
 def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, world_size):
     prompts, ref = mix
     out = tmp_path / "out"
-    max_active = 1 + world_size % 3  # 2, 3, 1, 2: the result must not depend on it either
+    max_active, rule = CONFIGS[mode, world_size]
+    flags = ["--prefill-free-share", rule.free_share, "--prefill-max-wait", rule.max_wait]
+    flags += ["--prefill-lookahead", rule.lookahead, "--max-active", max_active]
     args = (prompts, "--model", tiny_ckpt, "--out", out, "--offload", mode, "--save-latents")
-    proc = torchrun(world_size, *args, "--max-active", max_active)
+    proc = torchrun(world_size, *args, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_outputs(ref, out, [f"r{i}" for i in range(7)])
+    assert_same_outputs(ref, out, [f"r{i}" for i in range(MIX)])
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["generated_ok"] == 7 and summary["failed"] == []
+    assert summary["generated_ok"] == MIX and summary["failed"] == []
     assert_lockstep(summary, world_size)
-    assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule())
+    assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, rule)
+    # Every branch ran its UND half exactly once, prefilled ahead or not.
+    branches = sum(1 if row["guidance_scale"] == 1.0 else 2 for row in random_mix(0, MIX))
+    assert sum(r["und_runs"] for r in summary["ranks"]) == branches * 2  # x 2 layers
     sizes = layer_bytes(tiny_ckpt, world_size)
     layers = 2
     for rank in summary["ranks"]:
@@ -143,34 +166,6 @@ def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, wor
             assert rank["gathered_bytes"] == (full - shard if world_size > 1 else 0)
         if mode == "local":
             assert rank["gathered_bytes"] == 0 and 0 < rank["h2d_bytes"] <= full
-
-
-@pytest.mark.parametrize(
-    ("world_size", "max_active", "rule"),
-    [
-        pytest.param(2, 2, PrefillRule(0.5, 1, 3), id="w2-lookahead3"),
-        pytest.param(3, 3, PrefillRule(1.0, 0, 0), id="w3-every-starved-slot"),
-        pytest.param(4, 2, PrefillRule(0.25, 6, 1), id="w4-long-wait"),
-    ],
-)
-def test_prefill_rules_are_bit_exact_and_simulated_exactly(tmp_path, tiny_ckpt, world_size, max_active, rule):
-    """Prefilled-ahead requests, waits and coalesced UND passes change when UND runs, never the outputs."""
-    prompts = write_jsonl(tmp_path / "p.jsonl", random_mix(seed=world_size, count=10))
-    ref = tmp_path / "ref"
-    proc = single(prompts, "--model", tiny_ckpt, "--out", ref, "--offload", "resident", "--save-latents")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "out"
-    flags = ["--prefill-free-share", rule.free_share, "--prefill-max-wait", rule.max_wait]
-    flags += ["--prefill-lookahead", rule.lookahead, "--max-active", max_active]
-    proc = torchrun(world_size, prompts, "--model", tiny_ckpt, "--out", out, "--save-latents", *flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_outputs(ref, out, [f"r{i}" for i in range(10)])
-    summary = json.loads((out / "summary.json").read_text())
-    assert_lockstep(summary, world_size)
-    assert_simulated(summary, prompts, tiny_ckpt, "allgather", max_active, rule)
-    # Every branch ran its UND half exactly once, prefilled ahead or not.
-    branches = sum(1 if row["guidance_scale"] == 1.0 else 2 for row in random_mix(world_size, 10))
-    assert sum(r["und_runs"] for r in summary["ranks"]) == branches * 2  # x 2 layers
 
 
 def test_more_ranks_than_requests(mix, tmp_path, tiny_ckpt):

@@ -89,12 +89,12 @@ def plan_passes(prompts, ckpt, world: int, sp: int, mode: str) -> dict:
 @pytest.mark.parametrize(
     ("world", "sp", "mode"),
     [
-        (2, 2, "allgather"),
+        pytest.param(2, 2, "allgather", marks=pytest.mark.exact),  # the two of them again under a lower ISA
         (4, 2, "allgather"),
         (4, 4, "allgather"),
         (2, 2, "local"),
         (4, 2, "local"),
-        (4, 4, "local"),
+        pytest.param(4, 4, "local", marks=pytest.mark.exact),
         (2, 2, "resident"),
         (2, 2, "sharded"),
     ],
@@ -127,36 +127,27 @@ def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, wo
     assert (sim["passes"], sim["und_passes"]) == (ranks[0]["passes"], ranks[0]["und_passes"])
 
 
-def test_batched_branches_under_sp(tiny8, prompts, reference, tmp_path):
+def test_batched_branches_and_a_failed_write_under_sp(tiny8, reference, tmp_path):
     """The GPU default (rows of a rank's branches joined per GEMM) through Ulysses. Not bit-exact on CPU by
-    design (model/batched.py: a row rounds differently inside a bigger GEMM), so: close, and in lockstep."""
+    design (model/batched.py: a row rounds differently inside a bigger GEMM), so: close, and in lockstep.
+    In the same run the leader's write of one more request fails: reported once, and the group goes on."""
+    failing = {"id": "w1", "prompt": "x", "size": "128x128", "num_frames": 1, "num_inference_steps": 2}
+    prompts = write_jsonl(tmp_path / "p.jsonl", [*ROWS, failing])
     out = tmp_path / "out"
+    (out / "w1.png").mkdir(parents=True)  # the leader's write fails: a directory is in the way
     proc = torchrun(
         2, prompts, "--model", tiny8, "--out", out, "--sp", 2, "--batch-branches", "--save-latents"
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 1, proc.stderr[-4000:]
     for rid, expected in reference.items():
         got = load_file(out / f"{rid}.latents.safetensors")["latents"]
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=rid)
-    ranks = json.loads((out / "summary.json").read_text())["ranks"]
-    assert len({r["collective_trace"] for r in ranks}) == 1 and ranks[0]["all_to_alls"] > 0
-
-
-def test_a_failed_write_is_reported_once_and_the_group_goes_on(tiny8, tmp_path):
-    rows = [
-        {"id": f"w{i}", "prompt": "x", "size": "128x128", "num_frames": 1, "num_inference_steps": 2}
-        for i in range(3)
-    ]
-    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    out = tmp_path / "out"
-    (out / "w1.png").mkdir(parents=True)  # the leader's write fails: a directory is in the way
-    proc = torchrun(2, prompts, "--model", tiny8, "--out", out, "--sp", "2")
-    assert proc.returncode == 1, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert [f["id"] for f in summary["failed"]] == ["w1"] and summary["generated_ok"] == 2
-    assert len({r["collective_trace"] for r in summary["ranks"]}) == 1
+    assert [f["id"] for f in summary["failed"]] == ["w1"] and summary["generated_ok"] == len(ROWS)
+    ranks = summary["ranks"]
+    assert len({r["collective_trace"] for r in ranks}) == 1 and ranks[0]["all_to_alls"] > 0
     statuses = sorted(line.split(",")[:2] for line in (out / "metrics.csv").read_text().splitlines()[1:])
-    assert statuses == [["w0", "ok"], ["w1", "failed"], ["w2", "ok"]]
+    assert statuses == sorted([[r["id"], "ok"] for r in ROWS] + [["w1", "failed"]])
 
 
 def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):

@@ -27,6 +27,8 @@ from cosmos3_batch.model.batched import (
 from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split
 from cosmos3_batch.pipeline.context import load_context
 
+pytestmark = pytest.mark.exact  # run twice by scripts/test.sh: the second time under a lower ISA
+
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):

@@ -14,6 +14,8 @@ from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.reference import reference_kwargs
 
+pytestmark = pytest.mark.exact  # run twice by scripts/test.sh: the second time under a lower ISA
+
 SMALL = {"size": "48x32", "num_frames": 9, "num_inference_steps": 3}
 CASES = [
     {

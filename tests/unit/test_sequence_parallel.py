@@ -65,6 +65,7 @@ def test_groups_are_consecutive_ranks():
     assert not spans_nodes(4, 8) and spans_nodes(4, 2) and not spans_nodes(1, 3)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("k", [64, 128, 512])
 def test_gemm_rows_do_not_depend_on_the_row_count_from_min_shard_rows(k):
     """Why MIN_SHARD_ROWS: at one thread (torchrun's), a row of x @ W.T computed within a shard of >= 16
@@ -123,6 +124,7 @@ class FakeAttn:
         _parallel_config = None
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize(
     ("heads", "kv", "sp", "rows"), [(4, 2, 2, 40), (8, 2, 4, 70), (8, 8, 4, 64), (4, 4, 4, 5)]
 )
