@@ -47,11 +47,6 @@ def mkl_cnr_mode() -> str | None:
     return f"{name},STRICT" if mode & _STRICT else name
 
 
-def strict_cnr() -> bool:
-    mode = mkl_cnr_mode()
-    return mode is not None and mode.endswith(",STRICT")
-
-
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -115,14 +115,10 @@ def main() -> None:
             capability,
             str(r["threads"]),
             str(r["hidden"]),
-            _ranges(r["differs"]) or "none",
+            ", ".join(map(str, r["differs"])) or "none",
             "yes" if r["exact16"] else "NO",
         )
         print(("| " + " | ".join(cells) + " |") if args.markdown else "  ".join(f"{c:<10}" for c in cells))
-
-
-def _ranges(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values)
 
 
 if __name__ == "__main__":

@@ -60,14 +60,14 @@ def make_seq(split: Cosmos3Split, und_len: int, gen_len: int, generator: torch.G
 def both_ways(split: Cosmos3Split, und_lens: list[int], gen_lens: list[int]):
     """Runs every layer's UND then GEN half per branch and batched from the same inputs.
 
-    Returns (UND K/V bit-equal, GEN outputs bit-equal, GEN outputs allclose). The batched GEN half is fed the
+    Returns (UND K/V bit-equal, GEN outputs bit-equal). The batched GEN half is fed the
     per-branch K/V and is re-synced after each layer, so each verdict is that of one layer half alone.
     """
     generator = torch.Generator().manual_seed(0)
     base = [make_seq(split, u, n, generator) for u, n in zip(und_lens, gen_lens, strict=True)]
     per, bat = [replace(s, und_kv=[]) for s in base], [replace(s, und_kv=[]) for s in base]
     layers = split.transformer.layers
-    und_equal = gen_equal = gen_close = True
+    und_equal = gen_equal = True
     for index, layer in enumerate(layers):
         is_last = index == len(layers) - 1
         for seq in per:
@@ -88,9 +88,8 @@ def both_ways(split: Cosmos3Split, und_lens: list[int], gen_lens: list[int]):
         gen_layer_batched(split, layer, bat, index)
         for p, b in zip(per, bat, strict=True):
             gen_equal &= torch.equal(p.gen_hidden, b.gen_hidden)
-            gen_close &= torch.allclose(p.gen_hidden, b.gen_hidden, rtol=1e-5, atol=1e-5)
             b.gen_hidden = p.gen_hidden
-    return und_equal, gen_equal, gen_close
+    return und_equal, gen_equal
 
 
 def chained(split: Cosmos3Split, und_lens: list[int], gen_lens: list[int]) -> bool:
@@ -124,14 +123,14 @@ def chained(split: Cosmos3Split, und_lens: list[int], gen_lens: list[int]) -> bo
 @pytest.mark.parametrize("branches", [2, 8])
 @pytest.mark.parametrize("rows", [17, 64, 256, 1024])
 def test_batched_halves_are_bit_exact_at_realistic_row_counts(split, threads, rows, branches):
-    assert both_ways(split, [rows] * branches, [rows] * branches)[:2] == (True, True)
+    assert both_ways(split, [rows] * branches, [rows] * branches) == (True, True)
 
 
 def test_batched_halves_are_bit_exact_with_mixed_sizes(split, threads):
     # Prompts of different lengths (cond/uncond), images and videos of different token counts: all >= 16 rows.
     und = [40, 31, 77, 60, 120, 97, 18, 16]
     gen = [17, 1024, 64, 256, 100, 33, 700, 16]
-    assert both_ways(split, und, gen)[:2] == (True, True)
+    assert both_ways(split, und, gen) == (True, True)
     assert chained(split, und, gen)
 
 
