@@ -15,8 +15,8 @@ from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
+from tests.dist.jobs import torchrun_jobs
 from tests.dist.test_memory import probe
-from tests.dist.test_runs import torchrun
 from tests.fp8_reference import reference_latents
 from tests.unit.test_fp8_fidelity import ROWS
 
@@ -34,28 +34,6 @@ def fp8_case(tiny_ckpt: Path, tmp_path_factory):
     return fp8, prompts, reference_latents(tiny_ckpt, fp8, requests)
 
 
-@pytest.mark.parametrize("world,mode", [(2, "allgather"), (3, "local")])
-def test_fp8_a16_bit_exact_under_torchrun(fp8_case, world, mode, tmp_path):
-    fp8, prompts, expected = fp8_case
-    out = tmp_path / "out"
-    proc = torchrun(
-        world,
-        prompts,
-        "--model",
-        fp8,
-        "--out",
-        out,
-        "--offload",
-        mode,
-        "--fp8-compute",
-        "a16",
-        "--save-latents",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rid, latents in expected.items():
-        assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], latents), rid
-
-
 def _bytes_per_pass(summary: dict) -> float:
     ranks = summary["ranks"]
     moved = sum(r["h2d_bytes"] + r["gathered_bytes"] for r in ranks)
@@ -64,18 +42,43 @@ def _bytes_per_pass(summary: dict) -> float:
     return moved / passes.pop()
 
 
-def test_fp8_moves_at_most_0_6x_the_bf16_bytes(tmp_path):
+def fp8_job(ckpt: Path, prompts: Path, out: Path, mode: str, save_latents: bool = True) -> list:
+    args = ["run", prompts, "--model", ckpt, "--out", out, "--offload", mode, "--fp8-compute", "a16"]
+    return [*args, "--no-progress"] + (["--save-latents"] if save_latents else [])
+
+
+def test_fp8_a16_bit_exact_at_world_3_local(fp8_case, tmp_path):
+    fp8, prompts, expected = fp8_case
+    codes = torchrun_jobs(3, [fp8_job(fp8, prompts, tmp_path / "out", "local")], tmp_path / "launch")
+    assert codes == [0], (tmp_path / "launch" / "stderr.txt").read_text()[-3000:]
+    for rid, latents in expected.items():
+        assert torch.equal(load_file(tmp_path / "out" / f"{rid}.latents.safetensors")["latents"], latents), (
+            rid
+        )
+
+
+def test_fp8_a16_bit_exact_at_world_2_and_moves_at_most_0_6x_the_bf16_bytes(fp8_case, tmp_path):
+    """One launch of 2 ranks: the FP8 checkpoint bit-exact (allgather), then the bf16 source and its FP8
+    conversion moving weight bytes per pass."""
+    fp8_exact, exact_prompts, expected = fp8_case
     bf16 = write_tiny(tmp_path / "bf16", TinySpec(dtype="bfloat16"))
     fp8 = tmp_path / "fp8"
     convert_fp8(bf16, fp8, decoder_linear_weights)
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS)
-    per_pass = {}
-    for name, ckpt in (("bf16", bf16), ("fp8", fp8)):
-        out = tmp_path / f"out-{name}"
-        proc = torchrun(2, prompts, "--model", ckpt, "--out", out, "--fp8-compute", "a16")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        summary = json.loads((out / "summary.json").read_text())
-        per_pass[name] = _bytes_per_pass(summary)
+    jobs = [fp8_job(fp8_exact, exact_prompts, tmp_path / "out-exact", "allgather")]
+    jobs += [
+        fp8_job(ckpt, prompts, tmp_path / f"out-{name}", "allgather", False)
+        for name, ckpt in (("bf16", bf16), ("fp8", fp8))
+    ]
+    codes = torchrun_jobs(2, jobs, tmp_path / "launch")
+    assert codes == [0, 0, 0], (tmp_path / "launch" / "stderr.txt").read_text()[-3000:]
+    for rid, latents in expected.items():
+        got = load_file(tmp_path / "out-exact" / f"{rid}.latents.safetensors")["latents"]
+        assert torch.equal(got, latents), rid
+    per_pass = {
+        name: _bytes_per_pass(json.loads((tmp_path / f"out-{name}" / "summary.json").read_text()))
+        for name in ("bf16", "fp8")
+    }
     assert per_pass["fp8"] <= 0.6 * per_pass["bf16"], per_pass
     print(
         f"weight bytes per pass, world 2 allgather: {per_pass} ratio {per_pass['fp8'] / per_pass['bf16']:.3f}"

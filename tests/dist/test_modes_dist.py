@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
-from tests.dist.test_runs import assert_lockstep, torchrun
+from tests.dist.jobs import torchrun_jobs
+from tests.dist.test_runs import assert_lockstep
 from tests.unit.test_fidelity_modes import CLIP, run_reference
 
 pytestmark = pytest.mark.dist
@@ -57,30 +58,35 @@ def job(tmp_path_factory, tiny_av_ckpt, cond_image) -> tuple[Path, dict]:
     return prompts, {rid: outs[0] for rid, outs in reference.items()}
 
 
-@pytest.mark.parametrize(
-    ("world_size", "mode", "max_active", "sp"),
-    [
-        (2, "allgather", 3, 1),
-        (3, "local", 1, 1),
-        (2, "allgather", 3, 2),
-    ],  # --sp 2: sound/action rows split too
-)
-def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_size, mode, max_active, sp):
+# world -> its configurations (offload, --max-active, --sp), run in one launch (tests/dist/jobs.py).
+CONFIGS = {
+    2: [("allgather", 3, 1), ("allgather", 3, 2)],  # --sp 2: sound/action rows split too
+    3: [("local", 1, 1)],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CONFIGS))
+def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_size):
     prompts, reference = job
-    out = tmp_path / "out"
-    args = (prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--save-latents", "--sp", sp)
-    proc = torchrun(world_size, *args, "--max-active", max_active)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rid, expected in reference.items():
-        saved = load_file(out / f"{rid}.latents.safetensors")
-        assert torch.equal(saved["latents"], expected.video), rid
-        if expected.sound is None:
-            assert "sound" not in saved, rid
-        else:
-            assert torch.equal(saved["sound"], expected.sound), rid
-        if getattr(expected, "action", None) is not None:
-            actions = load_file(out / f"{rid}.actions.safetensors")["actions"]
-            assert torch.equal(actions, expected.action[0]), rid
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["generated_ok"] == len(ROWS)
-    assert_lockstep(summary, world_size)
+    jobs = []
+    for mode, max_active, sp in CONFIGS[world_size]:
+        out = tmp_path / f"{mode}-{max_active}-{sp}"
+        jobs.append(["run", prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--sp", sp])
+        jobs[-1] += ["--save-latents", "--max-active", max_active, "--no-progress"]
+    codes = torchrun_jobs(world_size, jobs, tmp_path / "launch")
+    for (mode, max_active, sp), code in zip(CONFIGS[world_size], codes, strict=True):
+        assert code == 0, (mode, sp, (tmp_path / "launch" / "stderr.txt").read_text()[-3000:])
+        out = tmp_path / f"{mode}-{max_active}-{sp}"
+        for rid, expected in reference.items():
+            saved = load_file(out / f"{rid}.latents.safetensors")
+            assert torch.equal(saved["latents"], expected.video), rid
+            if expected.sound is None:
+                assert "sound" not in saved, rid
+            else:
+                assert torch.equal(saved["sound"], expected.sound), rid
+            if getattr(expected, "action", None) is not None:
+                actions = load_file(out / f"{rid}.actions.safetensors")["actions"]
+                assert torch.equal(actions, expected.action[0]), rid
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["generated_ok"] == len(ROWS)
+        assert_lockstep(summary, world_size)

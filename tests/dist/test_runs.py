@@ -4,7 +4,6 @@ bit for bit, every rank issues the same collectives, and edge cases finish clean
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import socket
@@ -24,11 +23,9 @@ from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import build_transformer_on_meta
 from cosmos3_batch.plan.prefill import PrefillRule
 from tests.conftest import assert_same_outputs, write_jsonl
+from tests.dist.jobs import ENV, run_here, torchrun_jobs
 
 pytestmark = pytest.mark.dist
-# torchrun gives each worker one thread; the reference run must use the same (CPU GEMMs reduce in a
-# thread-count-dependent order).
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 MIX = 10  # requests in the shared mix
@@ -53,24 +50,13 @@ def random_mix(seed: int, count: int) -> list[dict]:
     return rows
 
 
-def torchrun(nproc: int, *args, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "cosmos3_batch", "run", *map(str, args), "--no-progress"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
-def single(*args, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cosmos3_batch", "run", *map(str, args), "--no-progress"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory, tiny_ckpt):
     folder = tmp_path_factory.mktemp("mix")
     prompts = write_jsonl(folder / "mix.jsonl", random_mix(seed=0, count=MIX))
     ref = folder / "ref"
-    proc = single(prompts, "--model", tiny_ckpt, "--out", ref, "--offload", "resident", "--save-latents")
-    assert proc.returncode == 0, proc.stderr
+    args = ["run", prompts, "--model", tiny_ckpt, "--out", ref, "--offload", "resident", "--save-latents"]
+    assert run_here([*args, "--no-progress"]) == 0
     return prompts, ref
 
 
@@ -133,16 +119,15 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize(("mode", "world_size"), list(CONFIGS), ids=[f"{m}-{w}" for m, w in CONFIGS])
-def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, world_size):
-    prompts, ref = mix
-    out = tmp_path / "out"
+def grid_job(mode: str, world_size: int, prompts: Path, tiny_ckpt: Path, out: Path) -> list:
     max_active, rule = CONFIGS[mode, world_size]
-    flags = ["--prefill-free-share", rule.free_share, "--prefill-max-wait", rule.max_wait]
-    flags += ["--prefill-lookahead", rule.lookahead, "--max-active", max_active]
-    args = (prompts, "--model", tiny_ckpt, "--out", out, "--offload", mode, "--save-latents")
-    proc = torchrun(world_size, *args, *flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["run", prompts, "--model", tiny_ckpt, "--out", out, "--offload", mode, "--save-latents"]
+    args += ["--prefill-free-share", rule.free_share, "--prefill-max-wait", rule.max_wait]
+    return [*args, "--prefill-lookahead", rule.lookahead, "--max-active", max_active, "--no-progress"]
+
+
+def check_grid_run(mode: str, world_size: int, prompts: Path, ref: Path, tiny_ckpt: Path, out: Path) -> None:
+    max_active, rule = CONFIGS[mode, world_size]
     assert_same_outputs(ref, out, [f"r{i}" for i in range(MIX)])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == MIX and summary["failed"] == []
@@ -168,40 +153,77 @@ def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, mode, wor
             assert rank["gathered_bytes"] == 0 and 0 < rank["h2d_bytes"] <= full
 
 
-def test_more_ranks_than_requests(mix, tmp_path, tiny_ckpt):
-    prompts, ref = mix
-    one = write_jsonl(tmp_path / "one.jsonl", [json.loads(prompts.read_text().splitlines()[2])])
-    proc = torchrun(3, one, "--model", tiny_ckpt, "--out", tmp_path / "out", "--save-latents")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_outputs(ref, tmp_path / "out", ["r2"])
-    assert_lockstep(json.loads((tmp_path / "out" / "summary.json").read_text()), 3)
+# Edge cases that ride on a grid launch of their world size: (job arguments, check of (exit code, out)).
+def more_ranks_than_requests(folder: Path, prompts: Path, ref: Path, tiny_ckpt: Path):
+    one = write_jsonl(folder / "one.jsonl", [json.loads(prompts.read_text().splitlines()[2])])
+    out = folder / "out"
+
+    def check(code: int) -> None:
+        assert code == 0
+        assert_same_outputs(ref, out, ["r2"])
+        assert_lockstep(json.loads((out / "summary.json").read_text()), 3)
+
+    return ["run", one, "--model", tiny_ckpt, "--out", out, "--save-latents", "--no-progress"], check
 
 
-def test_zero_valid_requests_finish_cleanly(tmp_path, tiny_ckpt):
-    prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"prompt": ""}\n{"prompt": "x", "size": "33x32"}\n')
-    proc = torchrun(2, prompts, "--model", tiny_ckpt, "--out", tmp_path / "out", "--skip-invalid")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["generated_ok"] == 0 and len(summary["invalid"]) == 2
-    # Nothing to generate: every rank returns before loading the model, so no pass and no rank report.
-    assert summary["ranks"] == [] and "interrupted" not in summary
+def zero_valid_requests_finish_cleanly(folder: Path, prompts: Path, ref: Path, tiny_ckpt: Path):
+    bad = folder / "bad.jsonl"
+    bad.write_text('{"prompt": ""}\n{"prompt": "x", "size": "33x32"}\n')
+    out = folder / "out"
+
+    def check(code: int) -> None:
+        assert code == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["generated_ok"] == 0 and len(summary["invalid"]) == 2
+        # Nothing to generate: every rank returns before loading the model, so no pass and no rank report.
+        assert summary["ranks"] == [] and "interrupted" not in summary
+
+    return ["run", bad, "--model", tiny_ckpt, "--out", out, "--skip-invalid", "--no-progress"], check
 
 
-def test_rank_whose_every_request_fails(tmp_path, tiny_ckpt):
+def rank_whose_every_request_fails(folder: Path, prompts: Path, ref: Path, tiny_ckpt: Path):
     rows = [
         {"id": f"f{i}", "prompt": "x", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
         for i in range(2)
     ]
-    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    out = tmp_path / "out"
+    failing = write_jsonl(folder / "p.jsonl", rows)
+    out = folder / "out"
     for i in range(2):
         (out / f"f{i}.png").mkdir(parents=True)  # every write fails: a directory is in the way
-    proc = torchrun(2, prompts, "--model", tiny_ckpt, "--out", out)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert sorted(f["id"] for f in summary["failed"]) == ["f0", "f1"]
-    assert_lockstep(summary, 2)
+
+    def check(code: int) -> None:
+        assert code == 1
+        summary = json.loads((out / "summary.json").read_text())
+        assert sorted(f["id"] for f in summary["failed"]) == ["f0", "f1"]
+        assert_lockstep(summary, 2)
+
+    return ["run", failing, "--model", tiny_ckpt, "--out", out, "--no-progress"], check
+
+
+EDGE_CASES = {
+    2: [zero_valid_requests_finish_cleanly, rank_whose_every_request_fails],
+    3: [more_ranks_than_requests],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted({world for _, world in CONFIGS}))
+def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, world_size):
+    """Every offload mode of this world size, then its edge cases, in one launch (tests/dist/jobs.py)."""
+    prompts, ref = mix
+    modes = [mode for mode, world in CONFIGS if world == world_size]
+    jobs = [grid_job(mode, world_size, prompts, tiny_ckpt, tmp_path / mode) for mode in modes]
+    checks = []
+    for case in EDGE_CASES.get(world_size, []):
+        (tmp_path / case.__name__).mkdir()
+        args, check = case(tmp_path / case.__name__, prompts, ref, tiny_ckpt)
+        jobs.append(args)
+        checks.append(check)
+    codes = torchrun_jobs(world_size, jobs, tmp_path / "launch")
+    for mode, code in zip(modes, codes, strict=False):
+        assert code == 0, (mode, (tmp_path / "launch" / "stderr.txt").read_text()[-3000:])
+        check_grid_run(mode, world_size, prompts, ref, tiny_ckpt, tmp_path / mode)
+    for check, code in zip(checks, codes[len(modes) :], strict=True):
+        check(code)  # a failure's traceback names the case
 
 
 def _free_port() -> int:

@@ -5,7 +5,6 @@ rank, the pass count the simulator predicted, and a killed rank ending the job."
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
-from tests.dist.test_runs import kill_rank_1_midrun, torchrun
+from tests.dist.jobs import torchrun_jobs
+from tests.dist.test_runs import kill_rank_1_midrun
 from tests.reference import reference_kwargs
 
 pytestmark = pytest.mark.dist
@@ -40,10 +40,9 @@ ROWS = [
 ]  # fmt: skip
 
 
-def stderr_tail(proc: subprocess.CompletedProcess) -> str:
+def stderr_tail(err: str) -> str:
     """What a failed run said: from a fatal signal's thread dump if there is one (its module list alone
     would fill a plain tail), else the end."""
-    err = proc.stderr
     fatal = err.find("Fatal Python error")
     return err[fatal : fatal + 4000] if fatal >= 0 else err[-4000:]
 
@@ -86,24 +85,14 @@ def plan_passes(prompts, ckpt, world: int, sp: int, mode: str) -> dict:
     return json.loads(result.output)["simulation"]
 
 
-@pytest.mark.parametrize(
-    ("world", "sp", "mode"),
-    [
-        pytest.param(2, 2, "allgather", marks=pytest.mark.exact),  # the two of them again under a lower ISA
-        (4, 2, "allgather"),
-        (4, 4, "allgather"),
-        (2, 2, "local"),
-        (4, 2, "local"),
-        pytest.param(4, 4, "local", marks=pytest.mark.exact),
-        (2, 2, "resident"),
-        (2, 2, "sharded"),
-    ],
-)
-def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, world, sp, mode):
-    out = tmp_path / "out"
-    args = [prompts, "--model", tiny8, "--out", out, "--sp", sp, "--offload", mode, "--save-latents"]
-    proc = torchrun(world, *args)
-    assert proc.returncode == 0, stderr_tail(proc)
+# (world, sp, mode) by launch: each world size runs its configurations in one torchrun (tests/dist/jobs.py).
+CONFIGS = {
+    2: [(2, "allgather"), (2, "local"), (2, "resident"), (2, "sharded")],
+    4: [(2, "allgather"), (4, "allgather"), (2, "local"), (4, "local")],
+}
+
+
+def check_sp_run(prompts, tiny8, reference, out, world: int, sp: int, mode: str) -> None:
     for rid, expected in reference.items():
         assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], expected), rid
     summary = json.loads((out / "summary.json").read_text())
@@ -127,27 +116,55 @@ def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, wo
     assert (sim["passes"], sim["und_passes"]) == (ranks[0]["passes"], ranks[0]["und_passes"])
 
 
-def test_batched_branches_and_a_failed_write_under_sp(tiny8, reference, tmp_path):
+def batched_branches_and_a_failed_write(tiny8, reference, folder):
     """The GPU default (rows of a rank's branches joined per GEMM) through Ulysses. Not bit-exact on CPU by
     design (model/batched.py: a row rounds differently inside a bigger GEMM), so: close, and in lockstep.
     In the same run the leader's write of one more request fails: reported once, and the group goes on."""
     failing = {"id": "w1", "prompt": "x", "size": "128x128", "num_frames": 1, "num_inference_steps": 2}
-    prompts = write_jsonl(tmp_path / "p.jsonl", [*ROWS, failing])
-    out = tmp_path / "out"
+    prompts = write_jsonl(folder / "p.jsonl", [*ROWS, failing])
+    out = folder / "out"
     (out / "w1.png").mkdir(parents=True)  # the leader's write fails: a directory is in the way
-    proc = torchrun(
-        2, prompts, "--model", tiny8, "--out", out, "--sp", 2, "--batch-branches", "--save-latents"
-    )
-    assert proc.returncode == 1, proc.stderr[-4000:]
-    for rid, expected in reference.items():
-        got = load_file(out / f"{rid}.latents.safetensors")["latents"]
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=rid)
-    summary = json.loads((out / "summary.json").read_text())
-    assert [f["id"] for f in summary["failed"]] == ["w1"] and summary["generated_ok"] == len(ROWS)
-    ranks = summary["ranks"]
-    assert len({r["collective_trace"] for r in ranks}) == 1 and ranks[0]["all_to_alls"] > 0
-    statuses = sorted(line.split(",")[:2] for line in (out / "metrics.csv").read_text().splitlines()[1:])
-    assert statuses == sorted([[r["id"], "ok"] for r in ROWS] + [["w1", "failed"]])
+    args = ["run", prompts, "--model", tiny8, "--out", out, "--sp", 2, "--batch-branches", "--save-latents"]
+
+    def check(code: int) -> None:
+        assert code == 1
+        for rid, expected in reference.items():
+            got = load_file(out / f"{rid}.latents.safetensors")["latents"]
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=rid)
+        summary = json.loads((out / "summary.json").read_text())
+        assert [f["id"] for f in summary["failed"]] == ["w1"] and summary["generated_ok"] == len(ROWS)
+        ranks = summary["ranks"]
+        assert len({r["collective_trace"] for r in ranks}) == 1 and ranks[0]["all_to_alls"] > 0
+        statuses = sorted(line.split(",")[:2] for line in (out / "metrics.csv").read_text().splitlines()[1:])
+        assert statuses == sorted([[r["id"], "ok"] for r in ROWS] + [["w1", "failed"]])
+
+    return [*args, "--no-progress"], check
+
+
+# Both under the exact marker: the second instruction-set pass of scripts/test.sh runs them again.
+@pytest.mark.exact
+@pytest.mark.parametrize("world", sorted(CONFIGS))
+def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, world):
+    """Every (sp, offload) of this world size in one launch; at world 2, batched branches and a failed
+    write under --sp too."""
+    jobs = []
+    for sp, mode in CONFIGS[world]:
+        out = tmp_path / f"sp{sp}-{mode}"
+        jobs.append(["run", prompts, "--model", tiny8, "--out", out, "--sp", sp, "--offload", mode])
+        jobs[-1] += ["--save-latents", "--no-progress"]
+    checks = []
+    if world == 2:
+        (tmp_path / "batched").mkdir()
+        args, check = batched_branches_and_a_failed_write(tiny8, reference, tmp_path / "batched")
+        jobs.append(args)
+        checks.append(check)
+    codes = torchrun_jobs(world, jobs, tmp_path / "launch")
+    stderr = tmp_path / "launch" / "stderr.txt"
+    for (sp, mode), code in zip(CONFIGS[world], codes, strict=False):
+        assert code == 0, (sp, mode, stderr_tail(stderr.read_text()))
+        check_sp_run(prompts, tiny8, reference, tmp_path / f"sp{sp}-{mode}", world, sp, mode)
+    for check, code in zip(checks, codes[len(CONFIGS[world]) :], strict=True):
+        check(code)
 
 
 def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):

@@ -1,5 +1,10 @@
 """SIGINT / SIGTERM mid-run: every rank stops at the same pass, finished work is written with metrics and
-summary, the exit code is the shell's (130 / 143), and the rerun generates exactly the rest, bit-exact."""
+summary, the exit code is the shell's (130 / 143), and the rerun generates exactly the rest, bit-exact.
+
+One chain: the same job is stopped seven ways in turn (one process or two ranks, SIGINT to the process or
+to its group, SIGTERM, an --sp group), each run resuming where the last stopped, then rerun to the end;
+every stop is checked as it happens and the end against an uninterrupted run. Seven stops with a rerun
+each would start seven more jobs for the same assertions."""
 
 from __future__ import annotations
 
@@ -16,14 +21,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_same_outputs, write_jsonl
+from tests.dist.jobs import run_here
 
 pytestmark = pytest.mark.dist
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-# Enough steps that a run is still going when the second output lands: 16 requests x 40 steps.
+# Enough work that each of the seven stops lands two outputs into a run with more to do: 36 requests x 30
+# steps (a stop finishes what is decoding: two to four outputs per run).
 ROWS = [
     {"id": f"s{i}", "prompt": "a lighthouse", "num_frames": 1 if i % 3 else 5, "size": "32x32"}
-    | {"num_inference_steps": 40, "guidance_scale": 1.0 if i % 2 else 4.0}
-    for i in range(16)
+    | {"num_inference_steps": 30, "guidance_scale": 1.0 if i % 2 else 4.0}
+    for i in range(36)
 ]
 IDS = [row["id"] for row in ROWS]
 
@@ -48,12 +55,14 @@ def outputs_done(out: Path) -> int:
 
 
 def stop_midway(cmd: list[str], out: Path, sig: int, whole_group: bool) -> tuple[int, float, str]:
-    """Start the job in its own session, signal it once two outputs exist; (exit code, seconds, output)."""
+    """Start the job in its own session, signal it once two more outputs exist; (exit code, seconds,
+    output)."""
+    before = outputs_done(out)
     proc = subprocess.Popen(
         cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     deadline = time.monotonic() + 240
-    while outputs_done(out) < 2:
+    while outputs_done(out) < before + 2:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no output within 240 s"
         time.sleep(0.05)
@@ -71,8 +80,7 @@ def reference(tmp_path_factory, tiny_ckpt) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("stop")
     prompts = write_jsonl(folder / "p.jsonl", ROWS)
     ref = folder / "ref"
-    proc = subprocess.run(command(1, prompts, tiny_ckpt, ref), env=ENV, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_here(command(1, prompts, tiny_ckpt, ref)[3:]) == 0  # `run ...` in this process
     return prompts, ref
 
 
@@ -84,25 +92,20 @@ def ok_rows(out: Path) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize(
-    ("nproc", "sig", "whole_group", "sp"),
-    [
-        pytest.param(1, signal.SIGINT, False, 1, id="single-sigint-process"),
-        pytest.param(1, signal.SIGINT, True, 1, id="single-sigint-group"),
-        pytest.param(1, signal.SIGTERM, False, 1, id="single-sigterm"),
-        pytest.param(2, signal.SIGINT, False, 1, id="torchrun2-sigint-launcher"),
-        pytest.param(2, signal.SIGINT, True, 1, id="torchrun2-sigint-group"),
-        pytest.param(2, signal.SIGTERM, False, 1, id="torchrun2-sigterm"),
-        pytest.param(2, signal.SIGINT, True, 2, id="torchrun2-sp2-sigint-group"),  # one --sp group
-    ],
-)
-def test_signal_stops_cleanly_and_rerun_does_the_rest(
-    reference, tiny_ckpt, tmp_path, nproc, sig, whole_group, sp
-):
-    prompts, ref = reference
-    out = tmp_path / "out"
-    cmd = command(nproc, prompts, tiny_ckpt, out, sp)
-    code, seconds, err = stop_midway(cmd, out, sig, whole_group)
+# (ranks, signal, to the whole process group, --sp), in the chain's order.
+STOPS = [
+    pytest.param(1, signal.SIGINT, False, 1, id="single-sigint-process"),
+    pytest.param(2, signal.SIGINT, False, 1, id="torchrun2-sigint-launcher"),
+    pytest.param(1, signal.SIGINT, True, 1, id="single-sigint-group"),
+    pytest.param(2, signal.SIGINT, True, 1, id="torchrun2-sigint-group"),
+    pytest.param(1, signal.SIGTERM, False, 1, id="single-sigterm"),
+    pytest.param(2, signal.SIGTERM, False, 1, id="torchrun2-sigterm"),
+    pytest.param(2, signal.SIGINT, True, 2, id="torchrun2-sp2-sigint-group"),  # one --sp group
+]
+
+
+def check_stopped(out: Path, nproc: int, sig: int, code: int, seconds: float, err: str, before: int) -> dict:
+    """One stop as it happened; the run's summary."""
     assert code == 128 + sig, err[-3000:]
     assert seconds < 15, seconds
     assert "Traceback" not in err, err[-3000:]
@@ -110,24 +113,42 @@ def test_signal_stops_cleanly_and_rerun_does_the_rest(
     assert f"stopped by {name}" in err
     summary = json.loads((out / "summary.json").read_text())
     done = summary["generated_ok"]
-    assert 2 <= done < len(IDS)
+    assert summary["skipped_complete"] == before
+    assert 2 <= done < len(IDS) - before, summary
     stopped = summary["interrupted"]
     assert stopped["signal"] == name
     assert summary["failed"] == [], summary["failed"]
-    assert done + len(stopped["abandoned"]) + stopped["not_started"] == len(IDS), summary
-    with open(out / "metrics.csv", newline="") as f:
-        rows = {row["id"]: row["status"] for row in csv.DictReader(f)}
-    assert sorted(rid for rid, status in rows.items() if status == "ok") == sorted(
-        rid for rid in IDS if (out / f"{rid}.json").exists()
-    )
-    assert {rid for rid, status in rows.items() if status == "interrupted"} == set(stopped["abandoned"])
+    assert done + len(stopped["abandoned"]) + stopped["not_started"] == len(IDS) - before, summary
     if nproc > 1:  # every rank left the loop at the same pass
         assert len({(r["passes"], r["all_reduces"]) for r in summary["ranks"]}) == 1, summary["ranks"]
+    return summary
 
-    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
+
+def test_signals_stop_cleanly_and_each_rerun_does_the_rest(reference, tiny_ckpt, tmp_path):
+    prompts, ref = reference
+    out = tmp_path / "out"
+    abandoned: set[str] = set()
+    for stop in STOPS:
+        nproc, sig, whole_group, sp = stop.values
+        before = outputs_done(out)
+        code, seconds, err = stop_midway(command(nproc, prompts, tiny_ckpt, out, sp), out, sig, whole_group)
+        summary = check_stopped(out, nproc, sig, code, seconds, err, before)
+        assert outputs_done(out) == before + summary["generated_ok"], stop.id
+        # metrics.csv holds each request's latest row: ok for every output so far, interrupted for those
+        # abandoned in this run or an earlier one and not generated since.
+        abandoned |= set(summary["interrupted"]["abandoned"])
+        with open(out / "metrics.csv", newline="") as f:
+            rows = {row["id"]: row["status"] for row in csv.DictReader(f)}
+        complete = {rid for rid in IDS if (out / f"{rid}.json").exists()}
+        assert {rid for rid, status in rows.items() if status == "ok"} == complete, stop.id
+        interrupted = {rid for rid, status in rows.items() if status == "interrupted"}
+        assert interrupted == abandoned - complete, stop.id
+
+    before = outputs_done(out)
+    rerun = subprocess.run(command(2, prompts, tiny_ckpt, out, 2), env=ENV, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["generated_ok"] == len(IDS) - done
-    assert summary["skipped_complete"] == done
+    assert summary["generated_ok"] == len(IDS) - before
+    assert summary["skipped_complete"] == before
     assert_same_outputs(ref, out, IDS)
-    assert ok_rows(out) == Counter(IDS)  # nothing generated twice
+    assert ok_rows(out) == Counter(IDS)  # nothing generated twice over eight runs

@@ -1,0 +1,92 @@
+"""Several `cosmos3_batch run` jobs, one after another, in the ranks of one real `torchrun` launch.
+
+A rank spends ~12 s of CPU importing torch, diffusers and transformers before its job starts, and the tiny
+jobs of the grids take a few seconds each: on a 2-core machine the start-up, not the job, was most of the
+suite. So a grid launches torchrun once per world size and runs every configuration of that world in it.
+
+Each job gets a process group of its own, as a fresh launch would: rank 0 picks a free port for it and
+posts it in torchrun's store; every rank then initialises from `MASTER_PORT` = that port with rank 0
+hosting the job's store (`TORCHELASTIC_USE_AGENT_STORE=False`), so no key of an earlier job is seen by a
+later one. What users never do (two jobs in one process) is kept honest by the grids themselves: every job
+asserts its own counts (passes, collectives, bytes), which would carry over if any state leaked.
+
+    python -m torch.distributed.run --nproc-per-node N -m tests.dist.jobs JOBS.json CODES.json
+
+JOBS.json holds a list of argument lists for `cosmos3_batch` (e.g. ["run", "p.jsonl", "--out", ...]);
+rank 0 writes the exit code of each job, in order, to CODES.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_one(args: list[str]) -> int:
+    from cosmos3_batch.cli import app
+
+    try:
+        app(args, prog_name="cosmos3_batch")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+def main(jobs_path: Path, codes_path: Path) -> None:
+    import torch.distributed as dist
+
+    jobs = json.loads(jobs_path.read_text())
+    rank = int(os.environ["RANK"])
+    launcher = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    codes = []
+    for number, args in enumerate(jobs):
+        if rank == 0:
+            launcher.set(f"tests.dist.jobs/{number}", str(_free_port()))
+        os.environ["MASTER_PORT"] = launcher.get(f"tests.dist.jobs/{number}").decode()
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        codes.append(_run_one([str(a) for a in args]))
+    if rank == 0:
+        codes_path.write_text(json.dumps(codes))
+
+
+def run_here(args: list) -> int:
+    """One `cosmos3_batch` job in this (pytest) process, at the one thread torchrun gives each rank (CPU
+    GEMMs reduce in a thread-count-dependent order): the single-process reference without a start-up."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_one([str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def torchrun_jobs(nproc: int, jobs: list[list], folder: Path, timeout: float = 600) -> list[int]:
+    """Run `jobs` in one launch of `nproc` ranks; their exit codes. Asserts the launch itself succeeded
+    (every job returned, whatever its code), with the launch's stderr tail if not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs_path, codes_path = folder / "jobs.json", folder / "codes.json"
+    jobs_path.write_text(json.dumps([[str(a) for a in args] for args in jobs]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "tests.dist.jobs", str(jobs_path), str(codes_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0 and codes_path.exists(), proc.stderr[-4000:]
+    (folder / "stderr.txt").write_text(proc.stderr)  # each job's log, for a failing assertion to point at
+    return json.loads(codes_path.read_text())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
