@@ -13,6 +13,28 @@ from safetensors.torch import load_file
 
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 
+# Longest first, a module's tests kept together (its fixtures are built once): each xdist worker starts on
+# a block of this order and an idle one steals from the end of the other's, so a long test collected last
+# would be a tail no worker can share. The Slurm jobs, the chained stops and the benchmark are the longest.
+LONGEST_FIRST = (
+    "tests/slurm/",
+    "tests/dist/test_stop.py",
+    "tests/unit/test_bench_smoke.py",
+    "tests/dist/test_runs.py",
+    "tests/dist/test_sp.py",
+    "tests/dist/",
+    "tests/unit/test_fidelity_modes.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        ranks = [i for i, prefix in enumerate(LONGEST_FIRST) if path.startswith(prefix)]
+        return ranks[0] if ranks else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the collected order within each rank
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:

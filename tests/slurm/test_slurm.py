@@ -19,6 +19,7 @@ import pytest
 
 from cosmos3_batch.plan.schedule import in_shard
 from tests.conftest import assert_same_outputs, write_jsonl
+from tests.dist.jobs import run_here
 from tests.slurm.conftest import FINAL_STATES, JOB_DEADLINE_S, Cluster, Job, binary, free_port, job_logs, poll
 
 pytestmark = pytest.mark.slurm
@@ -120,20 +121,8 @@ def jobs(cluster: Cluster, workload: Workload) -> dict[str, Job]:
 def reference(workload: Workload, jobs: dict[str, Job]) -> Path:
     """The single-process run to compare with; it runs while the Slurm jobs do."""
     ref = workload.root / "ref"
-    _cosmos(
-        "run",
-        workload.prompts,
-        "--model",
-        workload.model,
-        "--out",
-        ref,
-        "--offload",
-        "resident",
-        "--save-latents",
-        "--device",
-        "cpu",
-        "--no-progress",
-    )
+    args = ["run", workload.prompts, "--model", workload.model, "--out", ref, "--offload", "resident"]
+    assert run_here([*args, "--save-latents", "--device", "cpu", "--no-progress"]) == 0
     return ref
 
 
