@@ -36,17 +36,24 @@ SP_HELP = (
     "heads, and divide or be a multiple of the key/value heads. Lower latency per long clip; plain data "
     "parallelism (1, the default) gives more outputs per GPU-hour."
 )
+PROMPTS_HELP = (
+    "Request files: .jsonl (one object per line), .json (an array of objects, or one), .parquet or .csv "
+    "(columns = request fields); several files or quoted globs ('prompts/*.json'); - reads JSONL from "
+    "standard input. Fields: docs/requests.md."
+)
+MODEL_HELP = (
+    "Diffusers-layout Cosmos3 checkpoint folder, or a Hugging Face repo id ORG/NAME[@REVISION] found in "
+    "the local cache (downloaded unless HF_HUB_OFFLINE=1). Default: the built-in tiny model."
+)
+SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
+PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."
+ID_COLUMN_HELP = "Table inputs: the column holding the id."
 
 
 @app.command()
 def run(
-    prompts: Annotated[
-        Path, typer.Argument(help="JSONL file, one request per line (fields: docs/requests.md).")
-    ],
-    model: Annotated[
-        Path | None,
-        typer.Option(help="Diffusers-layout Cosmos3 checkpoint folder. Default: the built-in tiny model."),
-    ] = None,
+    prompts: Annotated[list[str], typer.Argument(help=PROMPTS_HELP)],
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     out: Annotated[Path, typer.Option(help="Output folder: <id>.png/.mp4, <id>.json, metrics.csv.")] = Path(
         "out"
     ),
@@ -108,6 +115,9 @@ def run(
     ] = None,
     fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
     sp: Annotated[int, typer.Option("--sp", help=SP_HELP)] = 1,
+    samples_per_prompt: Annotated[int, typer.Option(help=SAMPLES_HELP)] = 1,
+    prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
+    id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
     130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
@@ -117,7 +127,7 @@ def run(
     _setup_logging()
     try:
         cfg = make_config(
-            prompts=prompts,
+            prompts=tuple(prompts),
             out=out,
             model=model,
             max_active=max_active,
@@ -136,6 +146,9 @@ def run(
             batch_branches=batch_branches,
             fp8_compute=fp8_compute,
             sp=sp,
+            samples_per_prompt=samples_per_prompt,
+            prompt_column=prompt_column,
+            id_column=id_column,
         )
         code, line = run_job(cfg)
     except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract
@@ -148,10 +161,13 @@ def run(
 
 @app.command()
 def plan(
-    prompts: Annotated[Path, typer.Argument(help="JSONL file to plan.")],
+    prompts: Annotated[list[str], typer.Argument(help=PROMPTS_HELP)],
     nproc: Annotated[int, typer.Option(help="Ranks in the job (GPUs x nodes).")] = 1,
     model: Annotated[
-        Path | None, typer.Option(help="Checkpoint (configs and headers only are read) for memory and time.")
+        str | None,
+        typer.Option(
+            help="Checkpoint folder or HF repo id (configs and headers only are read): memory, time."
+        ),
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes the ranks are spread over.")] = 1,
     offload: Annotated[str, typer.Option(help="Offload mode to size (as `run --offload`).")] = "allgather",
@@ -177,19 +193,30 @@ def plan(
     prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = RULE.max_wait,
     prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = RULE.lookahead,
     sp: Annotated[int, typer.Option("--sp", help="As `run --sp`: plan groups of S ranks per request.")] = 1,
+    samples_per_prompt: Annotated[int, typer.Option(help="As `run --samples-per-prompt`.")] = 1,
+    prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
+    id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
 
     from cosmos3_batch.plan import planner
     from cosmos3_batch.plan.prefill import PrefillRule
+    from cosmos3_batch.requests.fields import MAX_SAMPLES
+    from cosmos3_batch.requests.sources import STDIN, Columns
 
     hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
+    stdin = sys.stdin.buffer.read() if STDIN in prompts else None
     try:
         rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead)
+        if not 1 <= samples_per_prompt <= MAX_SAMPLES:
+            raise ValueError(
+                f"--samples-per-prompt must be >= 1 and <= {MAX_SAMPLES}, got {samples_per_prompt}"
+            )
         doc, text = planner.plan_job(
-            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp
-        )
+            prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
+            samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin,
+        )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

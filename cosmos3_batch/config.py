@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosmos3_batch.checkpoint.hub import ModelSource, resolve_model
 from cosmos3_batch.engine.transport import OffloadMode, parse_offload
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.requests.fields import MAX_SAMPLES
 
 DEVICES = ("auto", "cpu", "cuda")
 FP8_COMPUTE = ("checkpoint", "a16")  # model/fp8.py COMPUTE_MODES (not imported: config stays torch-light)
@@ -18,9 +20,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunConfig:
-    prompts: Path
+    prompts: tuple[str, ...]  # files, globs, "-" (JSONL on standard input)
     out: Path
     model: Path | None = None  # None: the embedded tiny model, built on first use
+    model_source: ModelSource | None = None  # where --model came from (a folder or a Hugging Face repo id)
     max_active: int = 4
     save_latents: bool = False
     vae_tiling: bool = False
@@ -38,6 +41,9 @@ class RunConfig:
     prefill: PrefillRule = field(default_factory=PrefillRule)
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
     sp: int = 1  # sequence-parallel group size (DESIGN.md §11): each request's GEN tokens over S ranks
+    samples_per_prompt: int = 1  # requests naming no "samples" fan out into this many (DESIGN.md §13)
+    prompt_column: str | None = None  # table inputs: the column holding the prompt / the id
+    id_column: str | None = None
 
     @property
     def tag(self) -> str:
@@ -59,22 +65,39 @@ class RunConfig:
             raise ValueError(
                 f"--fp8-compute must be one of {', '.join(FP8_COMPUTE)}, got {self.fp8_compute!r}"
             )
-        if not self.prompts.is_file():
-            raise ValueError(f"PROMPTS {self.prompts}: no such file")
-        if self.model is not None and not (self.model / "model_index.json").is_file():
-            raise ValueError(f"--model {self.model}: not a diffusers checkpoint folder (no model_index.json)")
+        if not self.prompts:
+            raise ValueError("PROMPTS: name at least one request file (or - for standard input)")
+        if not 1 <= self.samples_per_prompt <= MAX_SAMPLES:
+            raise ValueError(
+                f"--samples-per-prompt must be >= 1 and <= {MAX_SAMPLES}, got {self.samples_per_prompt}"
+            )
 
 
 def make_config(
-    offload: str, shard: str | None, prefill: tuple[float, int, int] | None = None, **flags
+    offload: str,
+    shard: str | None,
+    prefill: tuple[float, int, int] | None = None,
+    model: str | Path | None = None,
+    prompts: str | Path | tuple[str, ...] = (),
+    **flags,
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
-    `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead)."""
+    `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead); `model` a folder or a
+    Hugging Face repo id (resolved here, before anything loads)."""
     from cosmos3_batch.plan.schedule import parse_shard
 
     try:
         parsed = None if shard is None else parse_shard(shard)
         rule = PrefillRule() if prefill is None else PrefillRule(*prefill)
-        return RunConfig(offload=parse_offload(offload), shard=parsed, prefill=rule, **flags)
+        source = None if model is None else resolve_model(str(model))
+        return RunConfig(
+            offload=parse_offload(offload),
+            shard=parsed,
+            prefill=rule,
+            model=None if source is None else source.path,
+            model_source=source,
+            prompts=(str(prompts),) if isinstance(prompts, str | Path) else tuple(map(str, prompts)),
+            **flags,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

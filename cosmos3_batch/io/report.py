@@ -131,11 +131,13 @@ def _prompts(summaries: list[Path]) -> dict[str, str]:
 
     found: dict[str, str] = {}
     for path in summaries:
-        source = json.loads(path.read_text()).get("config", {}).get("prompts")
-        if not source or not Path(source).is_file():
+        sources = json.loads(path.read_text()).get("config", {}).get("prompts")
+        sources = [sources] if isinstance(sources, str) else sources or []  # a list since samples/globs
+        sources = [s for s in sources if s != "-" and Path(s).is_file()]
+        if not sources:
             continue
         try:
-            requests, _ = load_requests(source, skip_invalid=True)
+            requests, _ = load_requests(sources, skip_invalid=True)
         except (RequestFileError, OSError):
             continue
         found.update({r.id: r.prompt for r in requests})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import signal as signal_module
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from cosmos3_batch.pipeline.summary import build_summary, describe_summary, prev
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
+from cosmos3_batch.requests.sources import STDIN, Columns
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -48,8 +50,12 @@ class BadInput(ValueError):
 
 def token_errors(requests: list[Request], helper, model_limit: int) -> list[RequestError]:
     """Prompts are tokenized with their templates exactly as generation will; over-long ones are rejected."""
-    errors = []
+    errors: list[RequestError] = []
+    seen: set[tuple[str, int]] = set()
     for r in requests:
+        if (r.source, r.line) in seen:  # the other samples of a line: the same prompts
+            continue
+        seen.add((r.source, r.line))
         cond, uncond = tokenize(helper, r)
         limit = min(model_limit, r.max_sequence_length or model_limit)
         for name, ids in (("prompt", cond), ("negative_prompt", uncond)):
@@ -60,12 +66,15 @@ def token_errors(requests: list[Request], helper, model_limit: int) -> list[Requ
                         name,
                         f"{len(ids)} tokens after templating exceed the limit of {limit} "
                         f"({'max_sequence_length' if r.max_sequence_length else 'the model'})",
+                        source=r.source,
+                        unit=r.unit,
                     )
                 )
     return errors
 
 
-def plan_run(cfg: RunConfig, world_size: int = 1) -> Plan:
+def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) -> Plan:
+    """`stdin`: the bytes of standard input when PROMPTS names "-" (read once, by rank 0)."""
     from cosmos3_batch.model.tiny import ensure_default_tiny
 
     model_dir = cfg.model if cfg.model is not None else ensure_default_tiny()
@@ -74,7 +83,12 @@ def plan_run(cfg: RunConfig, world_size: int = 1) -> Plan:
         validate_checkpoint(checkpoint)
         # Collect the file's problems and the token-count problems, then report them all at once.
         requests, invalid = load_requests(
-            str(cfg.prompts), limits_for(checkpoint, cfg.max_vision_tokens), skip_invalid=True
+            cfg.prompts,
+            limits_for(checkpoint, cfg.max_vision_tokens),
+            skip_invalid=True,
+            samples=cfg.samples_per_prompt,
+            columns=Columns(cfg.prompt_column, cfg.id_column),
+            stdin=stdin,
         )
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
@@ -86,15 +100,15 @@ def plan_run(cfg: RunConfig, world_size: int = 1) -> Plan:
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
     errors = token_errors(requests, helper, int(getattr(tokenizer, "model_max_length", 1 << 30)))
-    invalid = sorted(invalid + errors, key=lambda e: e.line)
+    invalid = invalid + errors
     if invalid and not cfg.skip_invalid:
-        raise BadInput(str(RequestFileError(str(cfg.prompts), invalid)))
+        raise BadInput(str(RequestFileError(", ".join(cfg.prompts), invalid)))
     try:  # after the file checks: a bad file leaves no --out folder behind
         outputs.check_writable(cfg.out)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
-    bad_lines = {e.line for e in errors}
-    requests = [r for r in requests if r.line not in bad_lines]
+    bad_lines = {(e.source, e.line) for e in errors}
+    requests = [r for r in requests if (r.source, r.line) not in bad_lines]
     if cfg.shard is not None:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     todo, complete = [], []
@@ -147,7 +161,10 @@ def _check_same_plan(world: World, plan: Plan) -> None:
 def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | None]:
     started = time.time()
     _quiet_other_ranks(world)
-    plan = plan_run(cfg, world.world_size)  # also checks --sp against the heads and the ranks
+    stdin = None
+    if STDIN in cfg.prompts:  # rank 0 reads it; under torchrun the others must not race it for the bytes
+        stdin = world.all_gather_object(sys.stdin.buffer.read() if world.is_main else None)[0]
+    plan = plan_run(cfg, world.world_size, stdin)  # also checks --sp against the heads and the ranks
     groups = world.world_size // cfg.sp
     ids = {r.id for r in plan.requests}
     if world.is_main:

@@ -129,7 +129,7 @@ class ResultWriter:
             "files": files,
             **outputs.media_facts(result),
             "timings": {k: round(v, 6) for k, v in job.timings.items()},
-            "model": str(self.model_dir),
+            **(self.cfg.model_source.record() if self.cfg.model_source else {"model": str(self.model_dir)}),
             "weights": self.weights,
             "versions": versions(),
         }

@@ -69,14 +69,17 @@ def build_summary(
         "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
         "skipped_complete": len(plan.complete),
         "skipped_complete_ids": sorted(r.id for r in plan.complete),
-        "invalid": [{"line": e.line, "field": e.field, "error": e.message} for e in plan.invalid],
+        "invalid": [
+            {"file": e.source, e.unit: e.line, "field": e.field, "error": e.message} for e in plan.invalid
+        ],
         "started_at": iso_time(time.time() - wall),
         "wall_s": round(wall, 3),
         "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
         "ranks": ranks,
         "config": {
-            "prompts": str(cfg.prompts.resolve()),
-            "model": str(plan.model_dir),
+            "prompts": [p if p == "-" else str(Path(p).resolve()) for p in cfg.prompts],
+            **(cfg.model_source.record() if cfg.model_source else {"model": str(plan.model_dir)}),
+            "samples_per_prompt": cfg.samples_per_prompt,
             "max_active": cfg.max_active,
             "offload": cfg.offload.value,
             "world_size": world.world_size,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.checkpoint.hub import resolve_model
 from cosmos3_batch.checkpoint.reader import CheckpointFileError
 from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
 from cosmos3_batch.engine.offload import slot_sizes
@@ -29,6 +29,7 @@ from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.schedule import assign, gen_tokens
 from cosmos3_batch.plan.simulator import PartBytes, SimRequest, Simulation, simulate
 from cosmos3_batch.requests.parse import Request
+from cosmos3_batch.requests.sources import ALL_NAMED, Columns
 
 GB = 1e9
 IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
@@ -290,8 +291,8 @@ def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
 
 
 def plan_job(
-    prompts: Path,
-    model: Path | None,
+    prompts: str | list[str],
+    model: str | None,
     nproc: int,
     nnodes: int,
     offload: str,
@@ -301,8 +302,12 @@ def plan_job(
     max_vision_tokens: int = 65536,
     rule: PrefillRule | None = None,
     sp: int = 1,
+    samples: int = 1,
+    columns: Columns = ALL_NAMED,
+    stdin: bytes | None = None,
 ) -> tuple[dict, str]:
-    """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests."""
+    """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
+    `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id."""
     rule = rule if rule is not None else PrefillRule()
     from cosmos3_batch.engine.transport import parse_offload
     from cosmos3_batch.model.limits import limits_for
@@ -314,7 +319,8 @@ def plan_job(
         raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
     mode = parse_offload(offload)
     groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
-    checkpoint = Checkpoint.open(model) if model is not None else None
+    source = resolve_model(model) if model is not None else None
+    checkpoint = Checkpoint.open(source.path) if source is not None else None
     if checkpoint is not None:
         check_model(sp, checkpoint.config("transformer"))
     limits = (
@@ -322,12 +328,13 @@ def plan_job(
         if checkpoint
         else ModelLimits(max_vision_tokens=max_vision_tokens)
     )
-    requests = load_requests(str(prompts), limits)[0]
+    requests = load_requests(prompts, limits, samples=samples, columns=columns, stdin=stdin)[0]
     if shard is not None:
         index, count = parse_shard(shard)
         requests = [r for r in requests if in_shard(r.id, index, count)]
     assignment = assign(requests, groups)
     doc: dict = {
+        **({"model": source.record()} if source is not None else {}),
         "sp": sp,
         "requests": len(requests),
         "ranks": [

@@ -9,6 +9,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from PIL import Image
@@ -27,8 +28,10 @@ ALLOWED_KEYS = (
     "id", "prompt", "negative_prompt", "size", "width", "height", "num_frames", "fps",
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
     "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
-    "action",
+    "action", "samples",
 )  # fmt: skip
+# `"samples": N` fans one request out into N (DESIGN.md §13); bounded so a typo cannot queue a million.
+MAX_SAMPLES = 10_000
 # The prompt templates default to on, as in the reference pipeline: the model was trained with them.
 EXTRA_PARAMS_DEFAULTS = {"use_resolution_template": True, "use_duration_template": True, "guardrails": False}
 # `<id>.json` is the per-request sidecar, so id "summary" would overwrite the job's summary.json
@@ -64,12 +67,16 @@ DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every 
 
 @dataclass(frozen=True)
 class RequestError:
-    line: int  # 0 for file-level problems
+    line: int  # 0 for file-level problems; else the place its `unit` counts
     field: str | None  # the JSON key at fault; None for whole-line problems
     message: str
+    # Where, not what: equality is line, field and message. `source`: the file ("<stdin>"; "" when the
+    # caller names it); `unit`: what `line` counts there (line, item of a JSON array, row of Parquet).
+    source: str = dataclass_field(default="", compare=False)
+    unit: str = dataclass_field(default="line", compare=False)
 
     def __str__(self) -> str:
-        where = [f"line {self.line}"] if self.line else []
+        where = [f"{self.unit} {self.line}"] if self.line else []
         if self.field is not None:
             where.append(f"field {_show(self.field)}")
         return f"{', '.join(where)}: {self.message}" if where else self.message
@@ -273,6 +280,15 @@ def check_numbers(
         if value is not None and not (low <= value <= high and (low_ok or value != low)):
             out.add(key, f"must be {'>=' if low_ok else '>'} {low} and <= {high}, got {describe(value)}")
     return values
+
+
+def check_samples(out: LineErrors, obj: JsonObject) -> None:
+    raw = _get(obj, "samples")
+    if raw is _ABSENT:
+        return
+    value = _number(out, "samples", raw, integer=True)
+    if value is not None and not 1 <= value <= MAX_SAMPLES:
+        out.add("samples", f"must be >= 1 and <= {MAX_SAMPLES}, got {describe(value)}")
 
 
 def _number(out: LineErrors, key: str, value: Any, integer: bool) -> Any:

@@ -1,15 +1,16 @@
-"""JSONL request file -> validated `Request` objects (DESIGN.md §6).
+"""Request files -> validated `Request` objects (DESIGN.md §6, §13).
 
-Everything a user can get wrong in a request file is found here (field rules in requests/fields.py),
-before any weight is loaded, and reported all at once with line and field, so one edit fixes the
-whole file. The module imports no torch/diffusers: the CLI can check a file in milliseconds.
+Everything a user can get wrong in a request file is found here (field rules in requests/fields.py; the
+formats in requests/sources.py), before any weight is loaded, and reported all at once with file, line
+(or row) and field, so one edit fixes the whole input. `"samples": N` becomes N ordinary requests here.
+The module imports no torch/diffusers: the CLI can check a file in milliseconds.
 """
 
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,6 @@ from cosmos3_batch.requests.fields import (
     JsonObject,
     LineErrors,
     ModelLimits,
-    NonFinite,
     RequestError,
     check_budget,
     check_extra_params,
@@ -32,10 +32,11 @@ from cosmos3_batch.requests.fields import (
     check_keys,
     check_numbers,
     check_prompts,
+    check_samples,
     check_size,
-    describe,
 )
 from cosmos3_batch.requests.modes import check_sound, check_system_prompt, check_video
+from cosmos3_batch.requests.sources import ALL_NAMED, Columns, Source, expand, jsonl_items, read_source
 
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
 
@@ -45,7 +46,7 @@ class Request:
     """One validated request with every default filled in: what runs is exactly what is recorded."""
 
     id: str
-    line: int  # 1-based line number in the JSONL file
+    line: int  # 1-based place in its file: the line (JSONL, CSV), the item (JSON array) or the row (Parquet)
     prompt: str
     negative_prompt: str | None
     width: int
@@ -66,6 +67,8 @@ class Request:
     system_prompt: bool | None = None  # None = the checkpoint's default_use_system_prompt
     sound: bool = False  # joint audio: <id>.wav and an AAC track in <id>.mp4
     action: ActionSpec | None = None  # forward/inverse dynamics, policy (conditioned on image or video)
+    source: str = ""  # the file it came from ("<stdin>" for standard input); not part of its record
+    unit: str = "line"  # what `line` counts there: line, item (JSON array) or row (Parquet)
 
     @property
     def kind(self) -> str:
@@ -82,7 +85,7 @@ class Request:
         Mode fields left at their "not used" value are omitted, so a request that uses none of them records
         and hashes exactly as before they existed (outputs of earlier runs stay complete on resume)."""
         fields = dataclasses.asdict(self)
-        del fields["line"]
+        del fields["line"], fields["source"], fields["unit"]
         for key, unused in _MODE_FIELDS.items():
             if fields[key] is unused:
                 del fields[key]
@@ -110,7 +113,7 @@ class RequestFileError(ValueError):
     def __init__(self, source: str, errors: list[RequestError]):
         self.source = source
         self.errors = list(errors)
-        super().__init__("\n".join(f"{source}: {error}" for error in self.errors))
+        super().__init__("\n".join(f"{error.source or source}: {error}" for error in self.errors))
 
     def __reduce__(self) -> tuple[type, tuple[str, list[RequestError]]]:
         # ValueError pickles as cls(*args), which does not fit this __init__; errors may cross processes.
@@ -129,92 +132,98 @@ def parse_lines(
     base_dir: str | None = None,
     limits: ModelLimits = DEFAULT_LIMITS,
 ) -> tuple[list[Request], list[RequestError]]:
-    """Validate every line; return the good requests and all errors (never raises for user errors).
+    """Validate JSONL lines; return the good requests and all errors (never raises for user errors).
 
-    `source` names the input for callers that build a RequestFileError from the result; relative
-    `image` paths resolve against `base_dir` (the current directory when None).
-    """
+    `source` names the input in errors; relative `image` paths resolve against `base_dir` (the current
+    directory when None)."""
+    items = list(jsonl_items(b"\n".join(lines)))
+    parsed = Source(source, base_dir or os.getcwd(), items=items)
+    parsed.problem = None if items else "no requests in file"
+    return parse_sources([parsed], limits)
+
+
+def parse_sources(
+    sources: Sequence[Source], limits: ModelLimits = DEFAULT_LIMITS, samples: int = 1
+) -> tuple[list[Request], list[RequestError]]:
+    """Validate every item of every source; the good requests (samples expanded) and all errors, in file
+    order. Ids are unique across all sources. `samples` is --samples-per-prompt (the field wins)."""
     requests: list[Request] = []
     errors: list[RequestError] = []
-    first_line_of: dict[str, int] = {}
-    saw_request_line = False
-    for line, raw in enumerate(lines, start=1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            saw_request_line = True
-            bad = f"0x{raw[exc.start]:02x}"
-            errors.append(RequestError(line, None, f"not valid UTF-8 (byte {bad} at offset {exc.start})"))
-            continue
-        if line == 1:
-            text = text.removeprefix("\ufeff")  # Windows editors start files with a byte-order mark
-        if not text.strip() or text.lstrip().startswith("#"):
-            continue
-        saw_request_line = True
-        obj, problem = _parse_json(text)
-        if problem is not None:
-            errors.append(RequestError(line, None, problem))
-            continue
-        request, request_id, line_errors = _validate_object(obj, line, base_dir, limits)
-        errors.extend(line_errors)
-        if request_id is None:
-            continue
-        if request_id in first_line_of:
-            how = " (derived from the line number)" if obj.get("id") is None else ""
-            message = f"duplicate id {request_id!r}{how}: already used on line {first_line_of[request_id]}"
-            errors.append(RequestError(line, "id", message))
-            continue
-        first_line_of[request_id] = line
-        if request is not None:
-            requests.append(request)
-    if not saw_request_line:
-        errors.append(RequestError(0, None, "no requests in file"))
-    errors.sort(key=lambda error: error.line)  # stable: a line's errors keep their order
+    first_place: dict[str, str] = {}  # id -> where it was first seen
+    for source in sources:
+        found: list[RequestError] = []
+        if source.problem is not None:
+            found.append(RequestError(0, None, source.problem))
+        for item in source.items:
+            if item.obj is None:
+                found.append(RequestError(item.number, None, item.problem or "not a request"))
+                continue
+            checked = _validate_object(item.obj, item.number, source.base_dir, limits)
+            request, request_id, item_errors = checked
+            found += item_errors
+            if request_id is None:
+                continue
+            for rid, sample in _samples(request_id, item.obj, request, samples, found, item.number):
+                if rid in first_place:
+                    how = " (derived from the line number)" if item.obj.get("id") is None else ""
+                    message = f"duplicate id {rid!r}{how}: already used {first_place[rid]}"
+                    found.append(RequestError(item.number, "id", message))
+                    continue
+                where = f" of {source.name}" if len(sources) > 1 else ""
+                first_place[rid] = f"on {source.unit} {item.number}{where}"
+                if sample is not None:
+                    requests.append(dataclasses.replace(sample, source=source.name, unit=source.unit))
+        found.sort(key=lambda error: error.line)  # stable: a line's errors keep their order
+        errors += [dataclasses.replace(e, source=source.name, unit=source.unit) for e in found]
     return requests, errors
+
+
+def _samples(
+    request_id: str, obj: JsonObject, request: Request | None, default: int, found: list, line: int
+) -> list[tuple[str, Request | None]]:
+    """(id, request or None if invalid) of each sample of one item: itself when it names no `samples` and
+    --samples-per-prompt is 1, else `<id>-<k>` with seed + k, k zero-padded to the width of N."""
+    count = obj.get("samples", default)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return [(request_id, None)]  # check_samples named the field
+    if "samples" not in obj and count == 1:
+        return [(request_id, request)]
+    width = len(str(count))
+    ids = [f"{request_id}-{k:0{width}d}" for k in range(count)]
+    if len(ids[-1]) > 128:
+        found.append(RequestError(line, "samples", f"ids such as {ids[-1]!r} pass 128 characters"))
+        return []
+    if request is not None and request.seed + count - 1 > MAX_SEED:
+        message = f"seeds {request.seed} + 0..{count - 1} pass the largest seed {MAX_SEED}"
+        found.append(RequestError(line, "samples", message))
+        return []
+    if request is None:
+        return [(rid, None) for rid in ids]
+    return [(rid, dataclasses.replace(request, id=rid, seed=request.seed + k)) for k, rid in enumerate(ids)]
 
 
 def load_requests(
-    path: str, limits: ModelLimits = DEFAULT_LIMITS, skip_invalid: bool = False
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    limits: ModelLimits = DEFAULT_LIMITS,
+    skip_invalid: bool = False,
+    *,
+    samples: int = 1,
+    columns: Columns = ALL_NAMED,
+    stdin: bytes | None = None,
 ) -> tuple[list[Request], list[RequestError]]:
-    """Read and validate a JSONL file; raise RequestFileError with all problems unless skip_invalid.
+    """Read and validate request files (paths, globs, "-" for the bytes of `stdin`); raise
+    RequestFileError with all problems unless skip_invalid.
 
     With skip_invalid the valid requests come back with the errors, for the caller to record.
     """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise RequestFileError(path, [RequestError(0, None, f"cannot read request file: {reason}")]) from exc
-    # Split on b"\n" only, so line numbers are the ones an editor and `wc -l` show; a "\r" left by
-    # CRLF files is whitespace to the JSON parser.
-    base_dir = os.path.dirname(os.path.abspath(path))
-    requests, errors = parse_lines(data.split(b"\n"), source=path, base_dir=base_dir, limits=limits)
+    arguments = [os.fspath(paths)] if isinstance(paths, str | os.PathLike) else [os.fspath(p) for p in paths]
+    found, missing = expand(arguments)
+    sources = [read_source(path, columns, stdin) for path in found]
+    requests, errors = parse_sources(sources, limits, samples)
+    errors = [RequestError(0, None, "no file matches this pattern", source=glob) for glob in missing] + errors
     if errors and not skip_invalid:
-        raise RequestFileError(path, errors)
+        raise RequestFileError(", ".join(arguments), errors)
     return requests, errors
-
-
-def _object_from_pairs(pairs: list[tuple[str, Any]]) -> JsonObject:
-    obj = JsonObject(pairs)
-    if len(obj) < len(pairs):
-        keys = [key for key, _ in pairs]
-        obj.duplicates = tuple(sorted({key for key in keys if keys.count(key) > 1}))
-    return obj
-
-
-def _parse_json(text: str) -> tuple[JsonObject, None] | tuple[None, str]:
-    try:
-        obj = json.loads(text, parse_constant=NonFinite, object_pairs_hook=_object_from_pairs)
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON: {exc.msg} (column {exc.colno})"
-    except ValueError:  # an integer literal past Python's int conversion limit (4300 digits)
-        return None, "not valid JSON: a number has too many digits"
-    except RecursionError:
-        return None, "not valid JSON: nested too deeply"
-    if not isinstance(obj, dict):
-        return None, f"each line must be a JSON object, got {describe(obj)}"
-    return obj, None
 
 
 def _validate_object(
@@ -223,6 +232,7 @@ def _validate_object(
     """Check one decoded line. Returns (request or None, its id if the id is valid, errors)."""
     out = LineErrors(line)
     check_keys(out, obj)
+    check_samples(out, obj)
     request_id = check_id(out, obj, line)
     prompts = check_prompts(out, obj)
     if has_action(obj):  # size and frame count come from the action's tier and chunk size

@@ -228,7 +228,7 @@ def _run_peer(args: argparse.Namespace) -> None:
     started = time.time()
     out = Path(args.out)
     cfg = RunConfig(
-        prompts=Path(args.prompts),
+        prompts=(args.prompts,),
         out=out,
         model=Path(args.model),
         max_active=args.max_active,

@@ -140,7 +140,12 @@ def test_skip_invalid_runs_the_valid_lines(tmp_path, tiny_ckpt):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["generated_ok"] == 1
     assert summary["invalid"] == [
-        {"line": 2, "field": "seed", "error": "must be an integer, got a boolean (true)"}
+        {
+            "file": str(prompts),
+            "line": 2,
+            "field": "seed",
+            "error": "must be an integer, got a boolean (true)",
+        }
     ]
 
 

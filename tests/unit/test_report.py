@@ -114,4 +114,4 @@ def test_report_refuses_a_folder_without_a_run(tmp_path):
 
 def test_summary_lists_the_prompts_file(finished_run):
     summary = json.loads((finished_run / "summary.json").read_text())
-    assert Path(summary["config"]["prompts"]).name == "p.jsonl"
+    assert [Path(p).name for p in summary["config"]["prompts"]] == ["p.jsonl"]
