@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,27 +14,53 @@ from safetensors.torch import load_file
 
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 
-# Longest first, a module's tests kept together (its fixtures are built once): each xdist worker starts on
-# a block of this order and an idle one steals from the end of the other's, so a long test collected last
-# would be a tail no worker can share. The Slurm jobs, the chained stops and the benchmark are the longest.
-LONGEST_FIRST = (
-    "tests/slurm/",
-    "tests/dist/test_stop.py",
-    "tests/unit/test_bench_smoke.py",
-    "tests/dist/test_runs.py",
-    "tests/dist/test_sp.py",
-    "tests/dist/",
-    "tests/unit/test_fidelity_modes.py",
-)
+# Seconds a module takes on this project's 2-core reference machine (measured with --durations), for the
+# split below; unlisted modules count one second per test.
+MODULE_SECONDS = {
+    "tests/slurm/test_slurm.py": 250,
+    "tests/dist/test_runs.py": 230,
+    "tests/dist/test_stop.py": 190,
+    "tests/unit/test_bench_smoke.py": 175,
+    "tests/dist/test_sp.py": 150,
+    "tests/dist/test_memory.py": 120,
+    "tests/dist/test_fp8_runs.py": 120,
+    "tests/unit/test_fidelity_modes.py": 100,
+    "tests/dist/test_modes_dist.py": 90,
+    "tests/dist/test_engine_toy.py": 90,
+    "tests/dist/test_resume.py": 60,
+    "tests/unit/test_fidelity.py": 50,
+    "tests/unit/test_inputs.py": 40,
+    "tests/unit/test_fp8_fidelity.py": 30,
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::")[0]
-        ranks = [i for i, prefix in enumerate(LONGEST_FIRST) if path.startswith(prefix)]
-        return ranks[0] if ranks else len(LONGEST_FIRST)
+    """Under `-n 2` (scripts/test.sh), give each pytest-xdist worker half the long modules, first.
 
-    items.sort(key=rank)  # stable: the collected order within each rank
+    worksteal hands the first worker the first half of the list and the second the rest, and an idle worker
+    steals from the end of the other's queue: long tests collected together would be one worker's serial
+    tail. So the modules are dealt to two halves longest first (each to the lighter half), long ones at the
+    front of their half, a module's tests kept together (its fixtures are built once per worker)."""
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT") != "2":  # set in each worker, which is what collects
+        return
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    weight = {path: MODULE_SECONDS.get(path, len(tests)) for path, tests in modules.items()}
+    halves: list[list[str]] = [[], []]
+    loads = [0.0, 0.0]
+    for path in sorted(modules, key=lambda p: -weight[p]):
+        side = loads.index(min(loads))
+        halves[side].append(path)
+        loads[side] += weight[path]
+    first = [item for path in halves[0] for item in modules[path]]
+    second = [item for path in halves[1] for item in modules[path]]
+    # The first worker takes exactly len(items) // 2: move the lightest tests across until it is so.
+    while len(first) > len(items) // 2:
+        second.append(first.pop())
+    while len(first) < len(items) // 2:
+        first.append(second.pop())
+    items[:] = first + second
 
 
 @pytest.fixture(scope="session")
