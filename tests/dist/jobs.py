@@ -74,15 +74,18 @@ def run_here(args: list) -> int:
         torch.set_num_threads(threads)
 
 
-def torchrun_jobs(nproc: int, jobs: list[list], folder: Path, timeout: float = 600) -> list[int]:
-    """Run `jobs` in one launch of `nproc` ranks; their exit codes. Asserts the launch itself succeeded
-    (every job returned, whatever its code), with the launch's stderr tail if not."""
+def torchrun_jobs(
+    nproc: int, jobs: list[list], folder: Path, timeout: float = 600, stdin: bytes | None = None
+) -> list[int]:
+    """Run `jobs` in one launch of `nproc` ranks (`stdin`: the launcher's standard input); their exit codes.
+    Asserts the launch itself succeeded (every job returned, whatever its code), with its stderr if not."""
     folder.mkdir(parents=True, exist_ok=True)
     jobs_path, codes_path = folder / "jobs.json", folder / "codes.json"
     jobs_path.write_text(json.dumps([[str(a) for a in args] for args in jobs]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "tests.dist.jobs", str(jobs_path), str(codes_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    proc = subprocess.run(cmd, capture_output=True, timeout=timeout, env=ENV, input=stdin or b"")
+    proc.stderr = proc.stderr.decode(errors="replace")
     assert proc.returncode == 0 and codes_path.exists(), proc.stderr[-4000:]
     (folder / "stderr.txt").write_text(proc.stderr)  # each job's log, for a failing assertion to point at
     return json.loads(codes_path.read_text())

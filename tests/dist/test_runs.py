@@ -200,8 +200,22 @@ def rank_whose_every_request_fails(folder: Path, prompts: Path, ref: Path, tiny_
     return ["run", failing, "--model", tiny_ckpt, "--out", out, "--no-progress"], check
 
 
+def requests_from_standard_input(folder: Path, prompts: Path, ref: Path, tiny_ckpt: Path):
+    """`run -` under torchrun: rank 0 reads the mix from the launcher's standard input for every rank."""
+    out = folder / "out"
+
+    def check(code: int) -> None:
+        assert code == 0
+        assert_same_outputs(ref, out, [f"r{i}" for i in range(MIX)])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["config"]["prompts"] == ["-"] and summary["generated_ok"] == MIX
+        assert_lockstep(summary, 2)
+
+    return ["run", "-", "--model", tiny_ckpt, "--out", out, "--save-latents", "--no-progress"], check
+
+
 EDGE_CASES = {
-    2: [zero_valid_requests_finish_cleanly, rank_whose_every_request_fails],
+    2: [zero_valid_requests_finish_cleanly, rank_whose_every_request_fails, requests_from_standard_input],
     3: [more_ranks_than_requests],
 }
 
@@ -218,7 +232,7 @@ def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, world_siz
         args, check = case(tmp_path / case.__name__, prompts, ref, tiny_ckpt)
         jobs.append(args)
         checks.append(check)
-    codes = torchrun_jobs(world_size, jobs, tmp_path / "launch")
+    codes = torchrun_jobs(world_size, jobs, tmp_path / "launch", stdin=prompts.read_bytes())
     for mode, code in zip(modes, codes, strict=False):
         assert code == 0, (mode, (tmp_path / "launch" / "stderr.txt").read_text()[-3000:])
         check_grid_run(mode, world_size, prompts, ref, tiny_ckpt, tmp_path / mode)
