@@ -42,8 +42,8 @@ PROMPTS_HELP = (
     "standard input. Fields: docs/requests.md."
 )
 MODEL_HELP = (
-    "Diffusers-layout Cosmos3 checkpoint folder, or a Hugging Face repo id ORG/NAME[@REVISION] found in "
-    "the local cache (downloaded unless HF_HUB_OFFLINE=1). Default: the built-in tiny model."
+    "Diffusers-layout Cosmos3 checkpoint folder, or a Hugging Face repo id ORG/NAME or ORG/NAME@REVISION "
+    "found in the local cache (downloaded unless HF_HUB_OFFLINE=1). Default: the built-in tiny model."
 )
 SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
 PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."

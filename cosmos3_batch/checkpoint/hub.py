@@ -41,7 +41,10 @@ def resolve_model(text: str) -> ModelSource:
     match = _REPO_ID.fullmatch(text)
     if match is None or folder.exists():
         raise ValueError(f"--model {text}: not a checkpoint folder nor a Hugging Face repo id ORG/NAME[@REV]")
-    return _from_hub(match["repo"], match["revision"] or "main")
+    try:
+        return _from_hub(match["repo"], match["revision"] or "main")
+    except ValueError as exc:  # a mistyped relative path reads as a repo id: say both
+        raise ValueError(f"{exc} (and no folder {folder.resolve()} exists)") from None
 
 
 def _from_hub(repo: str, revision: str) -> ModelSource:
