@@ -42,8 +42,14 @@ def probe(ckpt: Path, mode: str, tmp_path: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
-def test_allgather_rank_holds_half_the_layers_privately(mid_ckpt, tmp_path):
-    for rank in probe(mid_ckpt, "allgather", tmp_path):
+@pytest.fixture(scope="module")
+def allgather_ranks(mid_ckpt, tmp_path_factory) -> list[dict]:
+    """One allgather probe of the mid-size model, read by the two tests below."""
+    return probe(mid_ckpt, "allgather", tmp_path_factory.mktemp("allgather"))
+
+
+def test_allgather_rank_holds_half_the_layers_privately(allgather_ranks):
+    for rank in allgather_ranks:
         share = rank["layer_bytes"] / 2
         assert abs(rank["rss_anon_delta"] - share) <= 0.10 * share, rank
 
@@ -56,7 +62,7 @@ def test_local_mode_holds_no_layer_copy_and_naive_holds_all(mid_ckpt, tmp_path):
         assert rank["rss_anon_delta"] >= 0.95 * rank["layer_bytes"], rank
 
 
-def test_plan_matches_measured_memory(mid_ckpt, tmp_path):
+def test_plan_matches_measured_memory(mid_ckpt, allgather_ranks):
     import torch
 
     from cosmos3_batch.checkpoint.folder import Checkpoint
@@ -69,7 +75,7 @@ def test_plan_matches_measured_memory(mid_ckpt, tmp_path):
     (request,), _ = parse_lines([b'{"id": "i", "prompt": "x", "num_frames": 1, "size": "32x32"}'])
     est = planner.estimate(shape, [request], {"i": 100}, 2, 1, OffloadMode.ALLGATHER, 1, planner.Hardware())
     predicted_shards = est.host_private_bytes_per_rank - shape.host_resident_bytes
-    for rank in probe(mid_ckpt, "allgather", tmp_path):
+    for rank in allgather_ranks:
         # Stated tolerance: 5% (the measurement includes allocator and bookkeeping overhead).
         assert abs(rank["rss_anon_delta"] - predicted_shards) <= 0.05 * predicted_shards, rank
         # Two GEN slots and one UND slot, each the plan's slot (the tiny model's halves are the same size).
