@@ -28,7 +28,7 @@ from pathlib import Path
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -53,7 +53,7 @@ def main(jobs_path: Path, codes_path: Path) -> None:
     codes = []
     for number, args in enumerate(jobs):
         if rank == 0:
-            launcher.set(f"tests.dist.jobs/{number}", str(_free_port()))
+            launcher.set(f"tests.dist.jobs/{number}", str(free_port()))
         os.environ["MASTER_PORT"] = launcher.get(f"tests.dist.jobs/{number}").decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         codes.append(_run_one([str(a) for a in args]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import build_transformer_on_meta
 from cosmos3_batch.plan.prefill import PrefillRule
 from tests.conftest import assert_same_outputs, write_jsonl
-from tests.dist.jobs import ENV, run_here, torchrun_jobs
+from tests.dist.jobs import ENV, free_port, run_here, torchrun_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -240,16 +239,10 @@ def test_modes_and_world_sizes_are_bit_exact(mix, tmp_path, tiny_ckpt, world_siz
         check(code)  # a failure's traceback names the case
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kill_rank_1_midrun(run_args: list[str], out: Path) -> tuple[subprocess.Popen, float, str]:
     """Two ranks as plain processes (no torchrun to tear the survivor down); once a first sidecar exists,
     SIGKILL rank 1 (request ids start with k). (rank 0, seconds from the kill until it exited, its stderr)."""
-    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "cosmos3_batch", "run", *run_args, "--out", str(out)]
     cmd += ["--max-active", "1", "--no-progress", "--collective-timeout-s", "20"]
     procs = [

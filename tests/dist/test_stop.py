@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_same_outputs, write_jsonl
-from tests.dist.jobs import run_here
+from tests.dist.jobs import ENV, run_here
 
 pytestmark = pytest.mark.dist
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # Enough work that each of the seven stops lands two outputs into a run with more to do: 36 requests x 30
 # steps (a stop finishes what is decoding: two to four outputs per run).
 ROWS = [
