@@ -19,6 +19,7 @@ from cosmos3_batch.requests.fields import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
     DEFAULT_LIMITS,
+    MAX_SAMPLES,
     MAX_SEED,
     JsonObject,
     LineErrors,
@@ -184,8 +185,8 @@ def _samples(
     """(id, request or None if invalid) of each sample of one item: itself when it names no `samples` and
     --samples-per-prompt is 1, else `<id>-<k>` with seed + k, k zero-padded to the width of N."""
     count = obj.get("samples", default)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        return [(request_id, None)]  # check_samples named the field
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_SAMPLES:
+        return [(request_id, None)]  # check_samples named the field (and no huge id list is built)
     if "samples" not in obj and count == 1:
         return [(request_id, request)]
     width = len(str(count))
