@@ -177,6 +177,7 @@ def test_samples_fan_out_with_ids_and_seeds():
         (0, "field 'samples': must be >= 1 and <= 10000, got 0"),
         (True, "field 'samples': must be an integer, got a boolean"),
         (10_001, "must be >= 1 and <= 10000"),
+        (10**9, "must be >= 1 and <= 10000"),  # reported, never expanded into a billion ids
     ]:
         _, errors = load_requests_from([{"prompt": "x", "samples": bad}], skip_invalid=True)
         assert message in str(errors[0]), errors
