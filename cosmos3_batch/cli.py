@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -119,10 +120,13 @@ def run(
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
 ) -> None:
-    """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed; 2: bad input (nothing loaded);
-    130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume)."""
+    """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
+    the job; 2: bad input (nothing loaded); 75: the output filesystem is full or read-only (free space and
+    rerun); 130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to
+    resume). Every rank exits with the same code."""
     from cosmos3_batch.config import ConfigError, make_config
-    from cosmos3_batch.pipeline.job import BadInput, run_job
+    from cosmos3_batch.parallel.exit_codes import ExitCode
+    from cosmos3_batch.pipeline.job import run_job
 
     _setup_logging()
     try:
@@ -150,12 +154,15 @@ def run(
             prompt_column=prompt_column,
             id_column=id_column,
         )
-        code, line = run_job(cfg)
-    except (BadInput, ConfigError) as exc:  # found before any weight was read: exit 2, per the contract
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    except ConfigError as exc:  # the same flags on every rank: one of them says so
+        if os.environ.get("RANK", "0") == "0":
+            typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
+    code, line, error = run_job(cfg)
     if line is not None:
         typer.echo(line)
+    if error is not None:
+        typer.echo(f"error: {error}", err=True)
     raise typer.Exit(code)
 
 

@@ -84,8 +84,8 @@ class CudaBackend:
         # buffers, copying with several threads (one memcpy thread reaches ~10 GB/s, far below H2D).
         by_file: dict[int, list[torch.Tensor]] = {}
         for pieces in self.source.local:
-            for data, _ in pieces:
-                by_file.setdefault(data.untyped_storage().data_ptr(), []).append(data)
+            for piece in pieces:
+                by_file.setdefault(piece.data.untyped_storage().data_ptr(), []).append(piece.data)
         regions = register_read_only(list(by_file.values()), cudart) if (real or cudart is not None) else None
         if regions is not None:
             self._pinned += regions
@@ -147,10 +147,13 @@ class CudaBackend:
         # The previous H2D out of this staging buffer must be done before the host overwrites it: an
         # event wait on the host (one stream's progress), never a device-wide synchronize.
         self._staged[slot].synchronize()
+        # pread, not copies out of the mapping: a truncated file reads short instead of SIGBUS (FileReader).
         jobs = [
-            self._copiers.submit(staging[offset + lo : offset + hi].copy_, data[lo:hi])
-            for data, offset in self.source.local[index]
-            for lo, hi in _chunks(data.numel())
+            self._copiers.submit(
+                self.source.reader.read, piece, staging[piece.offset + lo : piece.offset + hi], lo
+            )
+            for piece in self.source.local[index]
+            for lo, hi in _chunks(piece.data.numel())
         ]
         for job in jobs:
             job.result()

@@ -7,12 +7,27 @@ arena alone (about 1/N of the layer bytes).
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 
 from cosmos3_batch.checkpoint.reader import DTYPES, CheckpointFileError, SafetensorsFile, TensorStore
 from cosmos3_batch.engine.layout import PartLayout
 
-__all__ = ["DTYPES", "CheckpointFileError", "HostShards", "SafetensorsFile", "TensorStore", "local_sources"]
+__all__ = [
+    "DTYPES",
+    "CheckpointFileError",
+    "FileReader",
+    "HostShards",
+    "LocalPiece",
+    "SafetensorsFile",
+    "TensorStore",
+    "local_sources",
+]
+log = logging.getLogger(__name__)
 
 
 class HostShards:
@@ -46,6 +61,53 @@ class HostShards:
         return self.arena[base : base + self._sizes[index]]
 
 
-def local_sources(layout: PartLayout, store: TensorStore) -> list[tuple[torch.Tensor, int]]:
-    """(mmap'd bytes, offset in the part buffer) for `local` mode: whole parts read from the page cache."""
-    return [(store.byte_view(place.spec.name), place.offset) for place in layout.params]
+class LocalPiece(NamedTuple):
+    """One parameter of a part in `local` mode: where its bytes are in the checkpoint and in the part."""
+
+    data: torch.Tensor  # the bytes as mapped: registered for DMA on CUDA (engine/cuda_backend.py)
+    offset: int  # where they go in the part buffer
+    path: Path  # the file, for `FileReader`
+    file_offset: int  # where they start in it
+
+
+def local_sources(layout: PartLayout, store: TensorStore) -> list[LocalPiece]:
+    """Where `local` mode reads a whole part from: one piece per parameter."""
+    pieces = []
+    for place in layout.params:
+        file = store.file_of(place.spec.name)
+        start = file.tensors[place.spec.name][2]
+        pieces.append(LocalPiece(store.byte_view(place.spec.name), place.offset, file.path, start))
+    return pieces
+
+
+class FileReader:
+    """`local` mode's host reads, with pread from the files rather than loads from their mapping.
+
+    A checkpoint file truncated under the job makes a load from its mapping beyond the new end a SIGBUS
+    that kills the rank (and hangs its peers until the collective timeout); pread just returns short. A
+    short read is zero-filled and counted: the checkpoint watch (checkpoint/watch.py) sees the change after
+    the pass and stops the job before anything computed from it is written. In the page cache, pread costs
+    what the copy out of the mapping did (scripts/bench/local_read.py). Thread-safe: one descriptor per
+    file, opened up front, and pread has no file position."""
+
+    def __init__(self, paths: list[Path]):
+        self._fds = {path: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in dict.fromkeys(paths)}
+        self.short_reads = 0
+
+    def read(self, piece: LocalPiece, dst: torch.Tensor, start: int = 0) -> None:
+        """Fill `dst` (host bytes) with the piece's bytes from `start` on."""
+        view = memoryview(dst.numpy())
+        done, fd, base = 0, self._fds[piece.path], piece.file_offset + start
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], base + done)
+            if got == 0:  # the file ends early: it was truncated after it was loaded
+                view[done:] = bytes(len(view) - done)
+                self.short_reads += 1
+                log.warning("%s ends before byte %d: truncated while the job runs", piece.path, base + done)
+                return
+            done += got
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}

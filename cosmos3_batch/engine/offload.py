@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cosmos3_batch.checkpoint.reader import CheckpointFileError, TensorStore
-from cosmos3_batch.engine.host import HostShards, local_sources
+from cosmos3_batch.engine.host import FileReader, HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
 from cosmos3_batch.engine.slots import SlotScheduler
 from cosmos3_batch.engine.transport import Counters, CpuBackend, FetchSource, OffloadMode, fetch_bytes
@@ -85,6 +85,7 @@ class LayerOffload:
         source = FetchSource(config.mode, self.layouts, config.rank, config.world_size, group)
         if config.mode is OffloadMode.LOCAL:
             source.local = [local_sources(layout, store) for layout in self.layouts]
+            source.reader = FileReader([piece.path for pieces in source.local for piece in pieces])
         else:
             shard_device = device if config.mode is OffloadMode.SHARDED else None
             source.host = HostShards(self.layouts, store, config.rank, shard_device)
@@ -205,6 +206,8 @@ class LayerOffload:
         # Fetches still in flight (the next pass's prefetch at the end of a run) are issued on every rank
         # alike, so they complete; a dead peer is why close() waits with a deadline, never forever.
         self.backend.close(self.config.close_timeout_s)
+        if self.source.reader is not None:
+            self.source.reader.close()
 
 
 def slot_sizes(layouts: list[PartLayout], lanes: list[str], lane_slots: dict[str, int]) -> list[int]:

@@ -21,7 +21,7 @@ from enum import StrEnum
 import torch
 import torch.distributed as dist
 
-from cosmos3_batch.engine.host import HostShards
+from cosmos3_batch.engine.host import FileReader, HostShards, LocalPiece
 from cosmos3_batch.engine.layout import PartLayout
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class FetchSource:
     world_size: int
     group: object | None = None  # process group for gathers
     host: HostShards | None = None  # allgather / sharded
-    local: list[list[tuple[torch.Tensor, int]]] = field(default_factory=list)  # local: (mmap bytes, offset)
+    local: list[list[LocalPiece]] = field(default_factory=list)  # local: each part's pieces
+    reader: FileReader | None = None  # local: host reads with pread (never loads from the mapping)
 
 
 def fetch_bytes(src: FetchSource, index: int) -> tuple[int, int]:
@@ -96,8 +97,12 @@ def copy_in(src: FetchSource, index: int, slot: torch.Tensor, non_blocking: bool
     layout = src.layouts[index]
     buf = slot[: layout.nbytes]
     if src.mode is OffloadMode.LOCAL:
-        for data, offset in src.local[index]:
-            buf[offset : offset + data.numel()].copy_(data, non_blocking=non_blocking)
+        for piece in src.local[index]:
+            dst = buf[piece.offset : piece.offset + piece.data.numel()]
+            if dst.device.type == "cpu":
+                src.reader.read(piece, dst)
+            else:  # CUDA with the maps registered: DMA out of the page cache, no host read at all
+                dst.copy_(piece.data, non_blocking=non_blocking)
     elif src.mode is OffloadMode.ALLGATHER:
         lo, hi = layout.shard_range(src.rank)
         buf[lo:hi].copy_(src.host.shard(index), non_blocking=non_blocking)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cosmos3_batch.io.ffmpeg import run_ffmpeg
+
 PCM_SCALE = 32767
 
 
@@ -54,27 +56,10 @@ def mux_audio(video: Path, out: Path, waveform, sample_rate: int, duration_s: fl
     (the tokenizer decodes whole latents, up to one hop longer than the clip)."""
     pcm = to_pcm16(waveform)
     keep = min(pcm.shape[0], int(duration_s * sample_rate))
-    channels = str(pcm.shape[1])
-    cmd = [ffmpeg(), "-nostdin", "-y", "-loglevel", "error", "-i", str(video)]
-    cmd += ["-f", "s16le", "-ar", str(sample_rate), "-ac", channels, "-i", "pipe:0"]
-    cmd += [
-        "-map",
-        "0:v",
-        "-map",
-        "1:a",
-        "-c:v",
-        "copy",
-        "-c:a",
-        "aac",
-        "-b:a",
-        "192k",
-        "-f",
-        "mp4",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, input=pcm[:keep].tobytes(), capture_output=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ffmpeg could not mux the audio: {proc.stderr.decode(errors='replace')[-500:]}")
+    args = ["-i", str(video), "-f", "s16le", "-ar", str(sample_rate), "-ac", str(pcm.shape[1])]
+    args += ["-i", "pipe:0", "-map", "0:v", "-map", "1:a", "-c:v", "copy", "-c:a", "aac", "-b:a", "192k"]
+    args += ["-f", "mp4", str(out)]
+    run_ffmpeg(args, "mux the audio", stdin=pcm[:keep].tobytes())
 
 
 def decode_audio_track(path: Path, sample_rate: int, channels: int) -> np.ndarray:

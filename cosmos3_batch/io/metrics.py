@@ -12,11 +12,15 @@ import contextlib
 import csv
 import fcntl
 import io
+import logging
 import os
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
 from cosmos3_batch.io.outputs import atomic_write
+
+log = logging.getLogger("cosmos3_batch")
 
 COLUMNS = (
     "id",
@@ -93,7 +97,10 @@ class MetricsWriter:
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        # A row that a full disk refused is still in the buffer: it was reported when it failed, and the
+        # flush close() would try again must not turn the job's end into a traceback.
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def _cell(value) -> str:
@@ -119,8 +126,10 @@ def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
     parts = sorted((out_dir / STATE_DIR).glob(PART_GLOB))
     all_rows = []
     for part in parts:
-        with open(part, newline="") as f:
-            all_rows.extend(csv.DictReader(f))
+        good, bad = read_part(part)
+        all_rows += good
+        if bad:
+            log.warning("%s: skipped %d unreadable line(s) (a crash mid-append?)", part, bad)
     # Part files of older versions may lack columns (None here) or hold Unix times: ISO text sorts alike.
     for row in sorted(all_rows, key=lambda r: _sort_time(r.get("finished_at"))):
         rows[row["id"]] = {key: row.get(key) or "" for key in COLUMNS}
@@ -132,6 +141,36 @@ def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
     path = out_dir / "metrics.csv"
     atomic_write(path, lambda tmp: tmp.write_text(buffer.getvalue()))
     return path, merged
+
+
+STATUSES = {"ok", "failed", "interrupted"}
+_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def read_part(path: Path) -> tuple[list[dict], int]:
+    """A part file's rows, and how many of its lines were not rows: a torn last line (a crash or a full
+    disk mid-append) or bytes that are not CSV at all are skipped, never a reason to fail the merge."""
+    text = path.read_text(encoding="utf-8", errors="replace").replace("\0", "")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header, rows, bad = None, [], 0
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return rows, bad
+        except csv.Error:
+            bad += 1
+            continue
+        if header is None:
+            header = fields
+            continue
+        # A part file begun by an older version has its header; this version appends rows of all COLUMNS.
+        names = COLUMNS if len(fields) == len(COLUMNS) else header if len(fields) == len(header) else None
+        row = dict(zip(names, fields, strict=True)) if names else {}
+        if names is None or row.get("status") not in STATUSES or not _ID.fullmatch(row.get("id", "")):
+            bad += 1
+            continue
+        rows.append(row)
 
 
 def _sort_time(value: str | None) -> str:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
+from cosmos3_batch.io.space import disk_errno
+
 
 @dataclass(frozen=True)
 class OutputPaths:
@@ -150,8 +153,12 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> int:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        code = disk_errno(exc)
+        if code is not None and not (isinstance(exc, OSError) and exc.filename):
+            # A library's own error for it (safetensors, ffmpeg): say which file could not be written.
+            raise OSError(code, os.strerror(code), str(path)) from exc
         raise
     _fsync_dir(path.parent)  # the rename itself must survive a power loss, not only the bytes
     return path.stat().st_size
@@ -200,23 +207,18 @@ def write_mp4(path: Path, frames: np.ndarray, fps: float, audio: tuple | None = 
 
 
 def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
-    import imageio.v2 as imageio
+    """H.264 in yuv420p at crf 10, from raw RGB frames on ffmpeg's stdin (the flags imageio's writer passes
+    for quality 8, so outputs keep their bytes), with ffmpeg's exit status checked."""
+    from fractions import Fraction
 
-    writer = imageio.get_writer(
-        tmp,
-        format="FFMPEG",
-        fps=fps,
-        codec="libx264",
-        pixelformat="yuv420p",
-        quality=8,
-        macro_block_size=16,
-        ffmpeg_log_level="error",
-    )
-    try:
-        for frame in frames:
-            writer.append_data(frame)
-    finally:
-        writer.close()
+    count, height, width, _ = frames.shape
+    if width % 16 or height % 16:  # sizes are multiples of the latent cell (requests/fields.py)
+        raise EncoderError(f"cannot encode {width}x{height}: not a multiple of 16")
+    rate = str(Fraction(fps).limit_denominator())
+    source = ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}", "-pix_fmt", "rgb24"]
+    encode = ["-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", "10", "-f", "mp4", str(tmp)]
+    data = np.ascontiguousarray(frames, dtype=np.uint8).tobytes()
+    run_ffmpeg([*source, "-r", rate, "-i", "-", *encode], f"encode {count} frames", stdin=data)
 
 
 def write_wav(path: Path, waveform, sample_rate: int) -> int:

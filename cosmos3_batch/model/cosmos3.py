@@ -103,6 +103,9 @@ class Cosmos3Split:
     def embed_text(self, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         # The table can stay on the host: a lookup of a few hundred ids, then one small copy.
         table = self.transformer.embed_tokens
+        rows = getattr(table, "row_reader", None)  # set by loading: pread, never loads from the map
+        if rows is not None:
+            return rows(input_ids.cpu()).to(device)
         return table(input_ids.to(table.weight.device)).to(device)
 
     def rotary(self, position_ids: torch.Tensor, und_len: int, device: torch.device) -> tuple[Rotary, Rotary]:

@@ -119,7 +119,16 @@ def load_transformer(
         if name not in ("embed_tokens", "layers") or (name == "layers" and with_layers):
             child.to(device)
     _place_own_parameters(model, tensors, where, device)
+    _read_rows_by_pread(model, store, tensors)
     return model
+
+
+def _read_rows_by_pread(model: torch.nn.Module, store: TensorStore, tensors: dict) -> None:
+    """Token lookups read the stored rows with pread (checkpoint/reader.py RowReader), so that a checkpoint
+    truncated under the job cannot turn a lookup into a SIGBUS; only where the table is the stored one."""
+    key, table = "embed_tokens.weight", model.embed_tokens.weight
+    if key in tensors and (table.dtype, tuple(table.shape)) == store.info(key):
+        model.embed_tokens.row_reader = store.row_reader(key)
 
 
 def _place_own_parameters(model: torch.nn.Module, tensors: dict, where: str, device: torch.device) -> None:

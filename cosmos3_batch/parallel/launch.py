@@ -1,31 +1,61 @@
-"""`cosmos3-torchrun`: torchrun itself (same flags), with a clean end when the job is stopped by a signal.
+"""`cosmos3-torchrun`: torchrun itself (same flags), ending in the workers' exit code and one line.
+
+Plain torchrun ends every failed job with exit 1 and a ~60-line `ChildFailedError` block, so a script (or
+Slurm) cannot tell bad input (2) from a full disk (75) from a crash. The ranks of a job agree on their code
+(parallel/exit_codes.py); here it passes through: one line saying what it means, and the code itself.
+A rank that crashed is named with its error (its traceback is in the log above); a rank killed by a
+signal (the OOM killer's SIGKILL) gives 128 + the signal, as a shell would.
 
 On SIGINT / SIGTERM torchrun forwards the signal to its workers, which stop at the next pass, write what
-is finished plus metrics.csv and summary.json, and exit 130 / 143. torchrun then re-raises the signal as a
-`SignalException` traceback and exits 1; here that becomes one line and the shell's exit code for the
-signal, so `Ctrl-C` and a Slurm preemption read the same through the launcher as without it.
+is finished plus metrics.csv and summary.json, and exit 130 / 143; torchrun itself would then re-raise the
+signal as a `SignalException` traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
-STOP_CODES = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
+from cosmos3_batch.parallel.exit_codes import MEANING, ExitCode
 
-
-def _stopped(name: str, code: int) -> None:
-    print(
-        f"cosmos3-torchrun: stopped by {name}; finished outputs, metrics.csv and summary.json are written. "
-        "Rerun the same command to resume.",
-        file=sys.stderr,
-    )
-    sys.exit(code)
-
-
+STOP_CODES = {ExitCode.SIGINT: "SIGINT", ExitCode.SIGTERM: "SIGTERM"}
 # torchrun SIGKILLs its workers this long after forwarding a stop (its default is 30 s): enough for the
 # workers to write the outputs already decoded, metrics.csv and summary.json, even with 720p videos.
 SHUTDOWN_TIMEOUT_S = "600"
+# The agent's own lines per failure ("failed (exitcode: 2) local_rank: 0 ...", "Sending process ...
+# closing signal SIGTERM"): our one line below says the same, once.
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+NO_FILE = "<N/A>"  # ProcessFailure.error_file of a rank that wrote no error file (torchelastic's marker)
+
+
+def _stopped(name: str) -> str:
+    return (
+        f"stopped by {name}; finished outputs, metrics.csv and summary.json are written. "
+        "Rerun the same command to resume."
+    )
+
+
+def outcome(failures: dict) -> tuple[int, str]:
+    """(exit code, line) for torchrun's failures {global rank: ProcessFailure}."""
+    crashed = sorted((rank, f) for rank, f in failures.items() if f.exitcode > 0 and f.error_file != NO_FILE)
+    if crashed:  # an uncaught exception: torchelastic's `record` wrote its error file
+        rank, failure = crashed[0]
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        first = str(message).strip().splitlines()[0] if str(message).strip() else "no message"
+        return ExitCode.FAILED, f"rank {rank} crashed: {first} (its traceback is above); exit 1"
+    exited = sorted((f.timestamp, rank, f.exitcode) for rank, f in failures.items() if f.exitcode > 0)
+    if exited:  # the ranks' agreed code; the others were stopped by the agent as it ended the job
+        code = exited[0][2]
+        if code in STOP_CODES:
+            return code, _stopped(STOP_CODES[code])
+        meaning = MEANING.get(code, "see the log above")
+        return code, f"the job exited with {code}: {meaning}"
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    sig = -failure.exitcode
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+    hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
+    return 128 + sig, f"rank {rank} was killed by {name}{hint}; rerun the same command to resume"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,15 +66,16 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    logging.getLogger(AGENT_LOGGER).setLevel(logging.CRITICAL)
     try:
         torchrun(argv)
     except SignalException as exc:  # the launcher got the signal (Ctrl-C, scancel, preemption)
-        _stopped(signal.Signals(exc.sigval).name, 128 + int(exc.sigval))
+        print(f"cosmos3-torchrun: {_stopped(signal.Signals(exc.sigval).name)}", file=sys.stderr)
+        sys.exit(128 + int(exc.sigval))
     except ChildFailedError as exc:
-        codes = {failure.exitcode for failure in exc.failures.values()}
-        if len(codes) == 1 and (code := codes.pop()) in STOP_CODES:  # only the workers were signalled
-            _stopped(STOP_CODES[code], code)
-        raise
+        code, line = outcome(exc.failures)
+        print(f"cosmos3-torchrun: {line}", file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

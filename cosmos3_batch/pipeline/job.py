@@ -1,14 +1,14 @@
 """One `run`: validate everything, load the model, run the passes, write outputs, metrics and summary.
 
 Order matters for users: every check that can fail on bad input (request file, token counts, --out,
-checkpoint layout) runs before any weight is read, and raises `BadInput` (exit code 2).
+checkpoint layout, room on --out) runs before any weight is read, and raises `BadInput` (exit code 2).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import signal as signal_module
+import os
 import sys
 import threading
 import time
@@ -19,23 +19,27 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
+from cosmos3_batch.checkpoint.watch import CheckpointWatch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import MetricsWriter, merge_metrics, state_dir, write_passes
+from cosmos3_batch.io.metrics import MetricsWriter, state_dir, write_passes
+from cosmos3_batch.io.space import check_room, disk_errno, output_bytes
 from cosmos3_batch.model.limits import limits_for
 from cosmos3_batch.model.loading import validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
+from cosmos3_batch.parallel.exit_codes import ExitCode, exit_as_one
 from cosmos3_batch.parallel.seq_group import build_seq_group
 from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
 from cosmos3_batch.parallel.world import World, init_world, teardown
 from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job_plan import Plan
 from cosmos3_batch.pipeline.results import ResultWriter, output_key
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
-from cosmos3_batch.pipeline.summary import build_summary, describe_summary, preview, rank_report, summary_name
+from cosmos3_batch.pipeline.summary import preview, rank_report
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
@@ -108,7 +112,14 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     bad_lines = {(e.source, e.line) for e in errors}
-    requests = [r for r in requests if (r.source, r.line) not in bad_lines]
+    valid = [r for r in requests if (r.source, r.line) not in bad_lines]
+    if valid:  # a job that could not write even its largest output must not start
+        try:
+            largest = max(valid, key=lambda r: _output_bytes(r, cfg, checkpoint))
+            check_room(cfg.out, _output_bytes(largest, cfg, checkpoint), f"request {largest.id!r}")
+        except ValueError as exc:
+            raise BadInput(str(exc)) from exc
+    requests = valid
     if cfg.shard is not None:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     todo, complete = [], []
@@ -129,23 +140,45 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity)
 
 
-@record
-def run_job(cfg: RunConfig) -> tuple[int, str | None]:
-    """(exit code, summary line on rank 0 else None): 0 all requests ok, 1 some failed, 130 / 143 stopped
-    by SIGINT / SIGTERM. Raises BadInput for exit code 2."""
+def run_job(cfg: RunConfig) -> Outcome:
+    """The exit code (the same on every rank: parallel/exit_codes.py), the summary line on rank 0, and an
+    error line for the rank that prints it. Expected outcomes (bad input, a stop) return; only a crash
+    raises, and only a crash leaves torchelastic an error file (the launcher prints its traceback)."""
     stop = StopRequest()
     restore = stop.install()  # first, so a signal during start-up also stops cleanly
+    outcome = None
+    try:
+        outcome = _recorded(cfg, stop)
+        return outcome
+    finally:
+        if outcome is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+            # Done, and every rank agreed: torchrun's agent SIGTERMs the ranks still exiting once the first
+            # has left with a non-zero code; they leave with the same code instead of dying of the signal.
+            exit_as_one(outcome.code)
+        else:
+            restore()
+
+
+@record
+def _recorded(cfg: RunConfig, stop: StopRequest) -> Outcome:
+    try:
+        world = init_world(cfg.device, cfg.collective_timeout_s)
+    except ValueError as exc:  # no such device, more ranks than GPUs: this rank's own problem, said by it
+        return Outcome(ExitCode.BAD_INPUT, None, str(exc))
     try:
         try:
-            world = init_world(cfg.device, cfg.collective_timeout_s)
-        except ValueError as exc:  # no such device, more ranks than GPUs
-            raise BadInput(str(exc)) from exc
-        try:
             return _run(cfg, world, stop)
-        finally:
-            teardown(world)
+        except BadInput as exc:  # every rank read the same files and found the same problem: one says it
+            world.barrier()  # ... and all leave together, none killed by the launcher mid-start
+            return Outcome(ExitCode.BAD_INPUT, None, str(exc) if world.is_main else None)
     finally:
-        restore()
+        teardown(world)
+
+
+def _output_bytes(r: Request, cfg: RunConfig, checkpoint: Checkpoint) -> int:
+    vae = checkpoint.config("vae")
+    spatial, temporal = int(vae.get("scale_factor_spatial", 16)), int(vae.get("scale_factor_temporal", 4))
+    return output_bytes(r, cfg.save_latents, int(vae.get("z_dim", 48)), spatial, temporal)
 
 
 def _check_same_plan(world: World, plan: Plan) -> None:
@@ -180,7 +213,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         len(plan.invalid),
     )
     if not plan.requests:  # nothing to do: no weight is read, no bar is shown
-        return _end(cfg, world, plan, [], started, None)
+        return end_run(cfg, world, plan, [], started)
     try:
         outputs.pin_encoder()
     except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
@@ -193,6 +226,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
             "--sp %d does not divide the %d ranks per node: some groups' all-to-alls cross nodes",
             cfg.sp, world.local_world_size,
         )  # fmt: skip
+    watch = CheckpointWatch(plan.model_dir)  # before any weight is read: the files as this job loads them
     checkpoint = Checkpoint.open(plan.model_dir)
     ctx = load_context(
         plan.model_dir,
@@ -213,6 +247,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         plan.model_identity,
         rank=world.rank,
         weights=weights_report(ctx.split.fp8),
+        stop=stop,
     )
     sync = PassSync(world.world_size, world.exchange_group)
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
@@ -230,11 +265,12 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         rule=cfg.prefill,
         batch_branches=cfg.batch_branches,
         sp=seq_group,
+        watch=watch.changed,
     )
     try:
         runner.run(mine)
         for job in runner.abandoned:  # stopped mid-denoise: on record, and redone by the next run
-            writer.row(job, "interrupted", error=f"stopped by {stop.name or 'a peer rank'} mid-denoise")
+            writer.row(job, "interrupted", error=f"stopped by {_cause(stop)} mid-denoise")
     except Exception as exc:
         if world.distributed and isinstance(exc, RuntimeError | dist.DistError):
             log.error(
@@ -247,16 +283,26 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
     finally:
         metrics.close()
         weights.close()
-        write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
+        try:
+            write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
+        except OSError as exc:  # a full disk: the timeline is for the report only, the job goes on ending
+            if disk_errno(exc) is None:
+                raise
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
     report = rank_report(world, runner, writer, gathers)
-    report["signal"] = stop.name
+    report["stop"] = stop.record()
     report["weights"] = weights_report(ctx.split.fp8, calls=True)
     ranks = world.all_gather_object(report)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
     bar.close()
-    return _end(cfg, world, plan, ranks, started, runner)
+    return end_run(cfg, world, plan, ranks, started)
+
+
+def _cause(stop: StopRequest) -> str:
+    if stop.fault is not None:
+        return "a full disk" if stop.fault.kind == "disk" else "a changed checkpoint"
+    return stop.name or "a peer rank"
 
 
 class Progress:
@@ -274,36 +320,6 @@ class Progress:
     def close(self) -> None:
         with self._lock:
             self.bar.close()
-
-
-def _end(
-    cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started: float, runner: PassRunner | None
-) -> tuple[int, str | None]:
-    """Metrics merged and summary.json written by rank 0 (also when stopped by a signal), then the exit
-    code every rank returns."""
-    failed = {k: v for report in ranks for k, v in report.pop("failed").items()}
-    signals = [s for s in (report.pop("signal") for report in ranks) if s]
-    interrupted = runner is not None and runner.interrupted
-    if world.is_main:
-        if ranks:
-            merge_metrics(cfg.out)
-        summary = build_summary(cfg, plan, ranks, failed, time.time() - started, world)
-        if interrupted:
-            summary["interrupted"] = {
-                "signal": signals[0] if signals else "",
-                "abandoned": sorted(i for report in ranks for i in report["abandoned"]),
-                "not_started": sum(report["not_started"] for report in ranks),
-            }
-        outputs.write_json(cfg.out / summary_name(cfg.tag), summary)
-        if failed:
-            log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
-    world.barrier()  # summary.json exists before any rank reports success
-    line = describe_summary(cfg.out, cfg.tag) if world.is_main else None
-    if interrupted:
-        # The signal one rank got stopped every rank: all exit with the shell's code for it.
-        code = 128 + int(getattr(signal_module, signals[0])) if signals else 130
-        return code, line
-    return (1 if failed else 0), line
 
 
 def _quiet_other_ranks(world: World) -> None:

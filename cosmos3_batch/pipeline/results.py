@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +17,10 @@ import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, iso_time
+from cosmos3_batch.io.space import DISK_ERRNOS, describe_free, disk_errno
+from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")
@@ -50,16 +55,29 @@ class ResultWriter:
     rank: int = 0
     weights: dict | None = None  # weights_report(): the sidecar says which math made the output
     loop_started: float = field(default_factory=time.time)  # queue_s counts from here
+    stop: StopRequest = field(default_factory=StopRequest)  # a full disk stops the job through it
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    unwritten: list[str] = field(default_factory=list)  # decoded, not written: the job was stopping
 
     def __call__(self, job: RequestJob, result: Result | None, error: str | None) -> None:
         r = job.request
         output = ""
+        if result is not None and self.stop.fault is not None:
+            # The job is stopping for a full disk or a changed checkpoint: this decoded request is not
+            # written (a rerun generates it), and does not add one more failed write to the log.
+            self.unwritten.append(r.id)
+            self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
+            return
         if result is not None:
             try:
                 output = self._write(job, result)
-            except Exception as exc:  # disk full, encoder error: this request fails, the job goes on
+            except Exception as exc:  # an encoder error on its frames: this request fails, the job goes on
+                if (code := disk_errno(exc)) is not None:  # ... but nothing after a full disk can succeed
+                    self._disk_full(code, exc)
+                    self.unwritten.append(r.id)
+                    self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
+                    return
                 error = f"{type(exc).__name__}: {exc}"
         if error is None:
             self.ok.append(r.id)
@@ -67,6 +85,17 @@ class ResultWriter:
             self.failed[r.id] = error
             log.warning("request %s failed: %s", r.id, error)
         self.row(job, "ok" if error is None else "failed", output, error)
+
+    def _disk_full(self, code: int, exc: BaseException) -> None:
+        where = getattr(exc, "filename", None) or self.cfg.out
+        self.stop.fail(
+            JobFault(
+                ExitCode.DISK,
+                "disk",
+                f"{DISK_ERRNOS[code]} ({os.strerror(code)}) writing {where}: {describe_free(self.cfg.out)} "
+                f"on the filesystem of {self.cfg.out}",
+            )
+        )
 
     def row(self, job: RequestJob, status: str, output: str = "", error: str | None = None) -> None:
         r = job.request
@@ -94,26 +123,45 @@ class ResultWriter:
                 error=error,
                 **{k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")},
             )
-        except OSError as exc:  # a full disk must fail this row, not the rank (its peers would hang)
+        except OSError as exc:  # a full disk must not fail the rank (its peers would hang): it stops the job
+            if (code := disk_errno(exc)) is not None:
+                self._disk_full(code, exc)
             log.error("request %s: cannot append its metrics row: %s", r.id, exc)
 
     def _write(self, job: RequestJob, result: Result) -> str:
+        """Every file of the request, the sidecar last; on any failure none of this attempt's files is left
+        under a final name (a rerun generates the request from scratch)."""
+        paths = outputs.paths_for(self.cfg.out, job.request.id, job.request.num_frames)
+        written: list[Path] = []
+        try:
+            return self._write_files(job, result, paths, written)
+        except BaseException:
+            for path in written:
+                if not path.is_dir():  # what was in the way of a write is not ours to remove
+                    with contextlib.suppress(OSError):
+                        path.unlink(missing_ok=True)
+            raise
+
+    def _write_files(self, job: RequestJob, result: Result, paths: outputs.OutputPaths, written: list) -> str:
         r = job.request
         start = time.perf_counter()
-        paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames)
         frames = outputs.to_uint8(result.frames)
         audio = (result.sound, result.sample_rate) if result.sound is not None else None
+        written.append(paths.media)
         if r.num_frames == 1:
             size = outputs.write_png(paths.media, frames[0])
         else:
             size = outputs.write_mp4(paths.media, frames, r.fps, audio=audio)
         files = {"media": {"name": paths.media.name, "bytes": size}}
         if audio is not None:
+            written.append(paths.wav)
             size = outputs.write_wav(paths.wav, *audio)
             files["wav"] = {"name": paths.wav.name, "bytes": size}
         if result.actions is not None:
+            written += [paths.actions, paths.actions_json]
             files.update(outputs.write_actions(paths, result.actions, r))
         if self.cfg.save_latents:
+            written.append(paths.latents)
             size = outputs.write_latents(paths.latents, result.latents, sound=result.sound)
             files["latents"] = {"name": paths.latents.name, "bytes": size}
         job.timings["write_s"] = time.perf_counter() - start  # the media and latents; the sidecar is tiny

@@ -29,11 +29,12 @@ import torch.distributed as dist
 from cosmos3_batch.engine.transport import Counters
 from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
+from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.apply import PartApplier
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.finisher import Finisher
-from cosmos3_batch.pipeline.stop import StopRequest
+from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class PassRunner:
         rule: PrefillRule | None = None,
         batch_branches: bool | None = None,
         sp: SeqGroup | None = None,
+        watch: Callable[[], str | None] | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -145,6 +147,7 @@ class PassRunner:
         self.on_progress = on_progress
         self.und_cache = und_cache
         self.stop = stop if stop is not None else StopRequest()
+        self.watch = watch  # CheckpointWatch.changed: what changed in the checkpoint's files, if anything
         rule = rule if rule is not None else PrefillRule()
         # Without the UND cache every step recomputes UND anyway: prefilling ahead would only hold memory.
         self.rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
@@ -222,7 +225,19 @@ class PassRunner:
             active = self._begin(active)
             self._pass(active, und, prefill)
             slots.ready.extend(self._drop_failed(prefill))
+            if self._checkpoint_changed():
+                continue  # this pass may have read changed bytes: no step of it is finished or written
             active = self._finish(active)
+
+    def _checkpoint_changed(self) -> bool:
+        """After a pass, before anything it computed is finished: are the checkpoint's files as loaded?
+        A change stops the job at the next exchange (exit 1), on every rank."""
+        if self.watch is None or (change := self.watch()) is None:
+            return False
+        advice = "replace checkpoints by rename, never in place"
+        message = f"{change}; nothing computed from it is written ({advice})"
+        self.stop.fail(JobFault(ExitCode.FAILED, "checkpoint", message))
+        return True
 
     def _report(self, job: RequestJob, result: Result | None, error: str | None) -> None:
         # On the finisher thread only (it serializes reports): the loop never waits for a write.

@@ -1,4 +1,6 @@
-"""SIGINT / SIGTERM: stop at the next pass on every rank, keep what is finished, exit 130 / 143.
+"""What stops the job (DESIGN.md §14): SIGINT / SIGTERM, a full or read-only output filesystem, a checkpoint
+file changed under the job. Every rank stops at the next pass, keeps what is finished, and exits with the
+same code: 130 / 143 for the signals, the fault's own code otherwise.
 
 The handler only records the signal; the pass loop reads it and sends it through the per-pass
 all-reduce, so every rank leaves the loop at the same pass (no rank is left waiting in a collective).
@@ -17,14 +19,30 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 DUPLICATE_WINDOW_S = 1.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+@dataclass(frozen=True)
+class JobFault:
+    """A reason no request after it can succeed, found by one rank."""
+
+    code: int  # the exit code every rank will return (parallel/exit_codes.py)
+    kind: str  # "disk" | "checkpoint": which message and which precedence (PRECEDENCE)
+    message: str  # one line for the user: what happened, where, and what to do
+
+
+# When several ranks stop for different reasons, all report the first of these that any rank saw: a changed
+# checkpoint (outputs may be wrong) before a full disk (free space) before a signal (the user asked).
+PRECEDENCE = ("checkpoint", "disk", "signal")
+
+
 class StopRequest:
     def __init__(self, quiet: bool | None = None) -> None:
         self.signum: int | None = None
+        self.fault: JobFault | None = None  # set from any thread (the finisher's writes, the loop's checks)
         self._first_at = 0.0
         self._repeats = 0
         # Under torchrun every worker gets the signal: only rank 0 says so.
@@ -32,7 +50,22 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        return self.signum is not None
+        return self.signum is not None or self.fault is not None
+
+    def fail(self, fault: JobFault) -> None:
+        """Stop the job at the next pass for `fault`; the first fault of a kind wins, a worse kind replaces
+        a milder one (PRECEDENCE)."""
+        current = self.fault
+        if current is None or PRECEDENCE.index(fault.kind) < PRECEDENCE.index(current.kind):
+            self.fault = fault
+
+    def record(self) -> dict | None:
+        """This rank's reason to stop, for the end-of-run exchange (None: it was not asked to)."""
+        if self.fault is not None:
+            return {"kind": self.fault.kind, "code": self.fault.code, "message": self.fault.message}
+        if self.signum is not None:
+            return {"kind": "signal", "code": self.exit_code, "message": self.name}
+        return None
 
     @property
     def name(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +44,7 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "sp_group": runner.sp.index if runner.sp is not None else world.rank,
         "all_to_alls": runner.sp.all_to_alls if runner.sp is not None else 0,
         "abandoned": [job.request.id for job in runner.abandoned],
+        "unwritten": writer.unwritten,  # decoded when the job stopped for a full disk: not written
         "not_started": len(runner.not_started),
         "h2d_bytes": totals.h2d_bytes,
         "gathered_bytes": totals.gathered_bytes,
@@ -96,16 +96,16 @@ def summary_name(tag: str) -> str:
     return f"summary.{tag}.json" if tag else "summary.json"
 
 
-def describe_summary(out: Path, tag: str = "") -> str:
-    summary = json.loads((out / summary_name(tag)).read_text())
+STOPPED_BY = {"disk": "a full or read-only output filesystem", "checkpoint": "a changed checkpoint"}
+
+
+def describe_summary(summary: dict, out: Path) -> str:
     line = (
         f"{summary['generated_ok']} generated, {len(summary['failed'])} failed, "
         f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"
     )
     if stopped := summary.get("interrupted"):
         left = len(stopped["abandoned"]) + stopped["not_started"]
-        line = (
-            f"stopped by {stopped['signal'] or 'a signal'}: {line}; {left} not generated "
-            "(rerun the same command to resume)"
-        )
+        cause = stopped["signal"] or STOPPED_BY.get(stopped.get("reason", ""), "a signal")
+        line = f"stopped by {cause}: {line}; {left} not generated (rerun the same command to resume)"
     return line

@@ -241,6 +241,6 @@ def test_local_sources_are_whole_params(saved: tuple[Path, dict]) -> None:
     store = TensorStore(folder)
     layout = build_part_layout("0.gen", [ParamSpec(n, *store.info(n)) for n in PARTS[1][1]], 3)
     buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
-    for data, offset in local_sources(layout, store):
-        buf[offset : offset + data.numel()] = data
+    for piece in local_sources(layout, store):
+        buf[piece.offset : piece.offset + piece.data.numel()] = piece.data
     assert torch.equal(buf, flat_buffer(layout, tensors))

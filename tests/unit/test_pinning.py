@@ -113,8 +113,9 @@ def test_local_mode_registers_the_mapped_files_read_only(tmp_path, monkeypatch):
     }
     spans = [(ptr, ptr + nbytes) for ptr, nbytes, _ in cudart.calls]
     for pieces in engine.source.local:
-        for data, _ in pieces:
-            assert any(lo <= data.data_ptr() and data.data_ptr() + data.numel() <= hi for lo, hi in spans)
+        for piece in pieces:
+            ptr, size = piece.data.data_ptr(), piece.data.numel()
+            assert any(lo <= ptr and ptr + size <= hi for lo, hi in spans)
     engine.begin_pass([0, 1, 2, 3])
     for i in range(4):
         engine.acquire(i)

@@ -1,0 +1,38 @@
+"""The ffmpeg binary imageio-ffmpeg bundles, run as a subprocess whose own messages go to our log.
+
+A terminal full of ffmpeg's lines for one failed write helps nobody: its stderr is logged at DEBUG and a
+failure is one line. A full or read-only disk stays recognisable as one (an OSError with its errno), so
+the job stops instead of failing every request that follows (io/space.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+
+from cosmos3_batch.io.space import DISK_ERRNOS
+
+log = logging.getLogger("cosmos3_batch")
+
+
+class EncoderError(RuntimeError):
+    """ffmpeg refused or failed: its last line of stderr (the whole of it goes to the log at DEBUG)."""
+
+
+def run_ffmpeg(args: list[str], what: str, stdin: bytes | None = None) -> None:
+    """Run the bundled ffmpeg with `args`; its own messages go to the log at DEBUG, never to the terminal.
+    A failure is one EncoderError line; a full or read-only disk keeps its errno (io/space.py reads it)."""
+    import imageio_ffmpeg
+
+    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-y", "-loglevel", "error", *args]
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, check=False)
+    err = proc.stderr.decode(errors="replace").strip()
+    if err:
+        log.debug("ffmpeg (%s): %s", what, err)
+    if proc.returncode != 0:
+        last = err.splitlines()[-1] if err else f"exit status {proc.returncode}"
+        for code in DISK_ERRNOS:
+            if os.strerror(code) in err:
+                raise OSError(code, f"{os.strerror(code)} ({what}; ffmpeg: {last})")
+        raise EncoderError(f"ffmpeg could not {what}: {last}")

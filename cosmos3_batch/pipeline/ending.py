@@ -1,0 +1,100 @@
+"""The end of a run on every rank: what stopped it, one exit code for all ranks, metrics.csv and summary.json
+by rank 0 (the summary on stderr when the disk cannot take it), and the lines the CLI prints.
+
+Every rank computes the code from the same gathered reports, so all ranks return the same one. When ranks
+stopped for different reasons, the first kind of `PRECEDENCE` wins everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import NamedTuple
+
+from cosmos3_batch.config import RunConfig
+from cosmos3_batch.io import outputs
+from cosmos3_batch.io.metrics import STATE_DIR, merge_metrics
+from cosmos3_batch.io.space import disk_errno
+from cosmos3_batch.parallel.exit_codes import ExitCode
+from cosmos3_batch.parallel.world import World
+from cosmos3_batch.pipeline.job_plan import Plan
+from cosmos3_batch.pipeline.stop import PRECEDENCE
+from cosmos3_batch.pipeline.summary import build_summary, describe_summary, summary_name
+
+log = logging.getLogger("cosmos3_batch")
+
+ADVICE = {
+    "disk": "free space (or make --out writable) and rerun the same command: it generates exactly the rest",
+    "checkpoint": "put the checkpoint back as it was (or point --model at the new one) and rerun: "
+    "complete outputs are kept",
+}
+
+
+class Outcome(NamedTuple):
+    code: int  # the same on every rank
+    line: str | None  # the summary line (stdout), on rank 0
+    error: str | None  # one line for stderr, on the rank that prints it
+
+
+def first_stop(stops: list[dict]) -> dict | None:
+    """The stop every rank reports: the first kind of PRECEDENCE that any rank saw, its first occurrence."""
+    for kind in PRECEDENCE:
+        for stop in stops:
+            if stop["kind"] == kind:
+                return stop
+    return None
+
+
+def end_run(cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started: float) -> Outcome:
+    failed = {k: v for report in ranks for k, v in report.pop("failed").items()}
+    stop = first_stop([s for s in (report.pop("stop") for report in ranks) if s])
+    summary = None
+    if world.is_main:
+        summary = build_summary(cfg, plan, ranks, failed, time.time() - started, world)
+        if stop is not None:
+            summary["interrupted"] = {
+                "reason": stop["kind"],
+                "signal": stop["message"] if stop["kind"] == "signal" else "",
+                "message": "" if stop["kind"] == "signal" else stop["message"],
+                "exit_code": stop["code"],
+                # in flight (mid-denoise, or decoded but not written): redone by the next run
+                "abandoned": sorted(i for report in ranks for i in report["abandoned"] + report["unwritten"]),
+                "not_started": sum(report["not_started"] for report in ranks),
+            }
+        write_reports(cfg, summary, merge=bool(ranks))
+        if failed:
+            log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
+    world.barrier()  # summary.json exists before any rank reports success
+    code = stop["code"] if stop is not None else ExitCode.FAILED if failed else ExitCode.OK
+    if not world.is_main:
+        return Outcome(int(code), None, None)
+    error = None
+    if stop is not None and stop["kind"] != "signal":
+        error = f"{stop['message']}. {ADVICE[stop['kind']].capitalize()} (exit {int(code)})"
+    return Outcome(int(code), describe_summary(summary, cfg.out), error)
+
+
+def write_reports(cfg: RunConfig, summary: dict, merge: bool) -> None:
+    """metrics.csv and summary.json, each as far as the disk allows: a full disk loses neither (the metrics
+    rows stay in their part files, merged by the next run; the summary goes to stderr)."""
+    if merge:
+        try:
+            merge_metrics(cfg.out)
+        except OSError as exc:
+            if disk_errno(exc) is None:
+                raise
+            log.error(
+                "metrics.csv not merged (%s): every row is kept in %s/ and the next run merges them",
+                exc.strerror or exc,
+                cfg.out / STATE_DIR,
+            )
+    name = summary_name(cfg.tag)
+    try:
+        outputs.write_json(cfg.out / name, summary)
+    except OSError as exc:
+        if disk_errno(exc) is None:
+            raise
+        log.error("%s not written (%s); here it is:", name, exc.strerror or exc)
+        print(json.dumps(summary, sort_keys=True), file=sys.stderr, flush=True)
