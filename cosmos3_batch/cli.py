@@ -342,4 +342,11 @@ def _setup_logging() -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: see exit_codes.leave_now
+            from cosmos3_batch.parallel.exit_codes import leave_now
+
+            leave_now(exc.code if isinstance(exc.code, int) else 1)
+        raise

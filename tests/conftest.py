@@ -19,7 +19,7 @@ from cosmos3_batch.model.tiny import TinySpec, write_tiny
 MODULE_SECONDS = {
     "tests/slurm/test_slurm.py": 250,
     "tests/dist/test_runs.py": 230,
-    "tests/dist/test_stop.py": 190,
+    "tests/dist/test_stop.py": 220,
     "tests/unit/test_bench_smoke.py": 175,
     "tests/dist/test_sp.py": 150,
     "tests/dist/test_memory.py": 120,

@@ -173,6 +173,16 @@ def read_part(path: Path) -> tuple[list[dict], int]:
         rows.append(row)
 
 
+def ids_with_ok_rows(out_dir: Path) -> set[str]:
+    """Requests that some part file records as ok."""
+    return {
+        row["id"]
+        for part in (out_dir / STATE_DIR).glob(PART_GLOB)
+        for row in read_part(part)[0]
+        if row["status"] == "ok"
+    }
+
+
 def _sort_time(value: str | None) -> str:
     if not value:
         return ""

@@ -32,18 +32,25 @@ MEANING = {
 }
 
 
-def exit_as_one(code: int) -> None:
-    """From here on, a SIGTERM or SIGINT exits at once with `code`.
+def leave_now(code: int) -> None:
+    """Exit with `code` now, without the interpreter's finalization.
 
-    The job's work is done and every rank agreed on `code`. Under torchrun the first rank to exit with a
-    non-zero code makes the agent SIGTERM the others, which may still be in their teardown: without this
-    they would die of the signal (-15) and the launcher would see two outcomes for one job."""
+    Under torchrun the first rank to exit non-zero makes the agent SIGTERM the others. Finalization (torch,
+    gloo/NCCL threads) takes a while and runs with the default SIGTERM action restored, so a peer still
+    in it would die of the signal (-15) and the launcher would see two outcomes for one job. The job's
+    files are fsynced and closed by now; only the standard streams need a flush."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def exit_as_one(code: int) -> None:
+    """From here on, a SIGTERM or SIGINT exits at once with `code` (the job is done and every rank agreed on
+    `code`): the gap between the end of the job and `leave_now`, the teardown of the process groups."""
 
     def leave(_signum, _frame) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        leave_now(code)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, leave)

@@ -26,6 +26,7 @@ SHUTDOWN_TIMEOUT_S = "600"
 # The agent's own lines per failure ("failed (exitcode: 2) local_rank: 0 ...", "Sending process ...
 # closing signal SIGTERM"): our one line below says the same, once.
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what torchrun sends its workers when it stops them
 NO_FILE = "<N/A>"  # ProcessFailure.error_file of a rank that wrote no error file (torchelastic's marker)
 
 
@@ -37,7 +38,16 @@ def _stopped(name: str) -> str:
 
 
 def outcome(failures: dict) -> tuple[int, str]:
-    """(exit code, line) for torchrun's failures {global rank: ProcessFailure}."""
+    """(exit code, line) for torchrun's failures {global rank: ProcessFailure}. The root cause first: a rank
+    killed by a signal the agent does not send (SIGKILL, SIGSEGV, SIGBUS: its peers then fail in their
+    collectives), then a crash, then the code the ranks agreed on; the agent's own SIGTERMs never."""
+    signalled = [(f.timestamp, rank, -f.exitcode) for rank, f in failures.items() if f.exitcode < 0]
+    killed = sorted(entry for entry in signalled if entry[2] not in AGENT_SIGNALS)
+    if killed:
+        _, rank, sig = killed[0]
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
+        return 128 + sig, f"rank {rank} was killed by {name}{hint}; rerun the same command to resume"
     crashed = sorted((rank, f) for rank, f in failures.items() if f.exitcode > 0 and f.error_file != NO_FILE)
     if crashed:  # an uncaught exception: torchelastic's `record` wrote its error file
         rank, failure = crashed[0]
@@ -45,17 +55,16 @@ def outcome(failures: dict) -> tuple[int, str]:
         first = str(message).strip().splitlines()[0] if str(message).strip() else "no message"
         return ExitCode.FAILED, f"rank {rank} crashed: {first} (its traceback is above); exit 1"
     exited = sorted((f.timestamp, rank, f.exitcode) for rank, f in failures.items() if f.exitcode > 0)
-    if exited:  # the ranks' agreed code; the others were stopped by the agent as it ended the job
+    if exited:  # the ranks' agreed code; a rank that exited 0 is not among the failures
         code = exited[0][2]
         if code in STOP_CODES:
             return code, _stopped(STOP_CODES[code])
+        ranks = ", ".join(str(rank) for rank in sorted(r for r, f in failures.items() if f.exitcode == code))
         meaning = MEANING.get(code, "see the log above")
-        return code, f"the job exited with {code}: {meaning}"
+        return code, f"the job exited with {code} (ranks {ranks}): {meaning}"
     rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    sig = -failure.exitcode
-    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-    hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
-    return 128 + sig, f"rank {rank} was killed by {name}{hint}; rerun the same command to resume"
+    name = signal.Signals(-failure.exitcode).name
+    return 128 - failure.exitcode, f"rank {rank} was stopped by {name}; rerun the same command to resume"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,8 @@ pass loop never waits for the device to learn who is active.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,10 +93,30 @@ def configure_process_env(environ: dict | None = None) -> None:
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that forked it exits
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun: SIGTERM this worker when its launcher dies (SIGKILLed, OOM-killed), so that it stops
+    at the next pass like on a forwarded SIGTERM. torchrun starts workers in sessions of their own, so
+    without this they would run on as orphans, writing into --out while a rerun writes there too."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not allowed here (a seccomp profile): the old behaviour, no worse
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def init_world(device_choice: str, timeout_s: float) -> World:
     """From torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); a plain process is a world of one."""
     # First: the allocator and NCCL read these when they start (pick_device below initializes CUDA).
     configure_process_env()
+    stop_with_launcher()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

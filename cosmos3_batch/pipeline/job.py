@@ -249,6 +249,8 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         weights=weights_report(ctx.split.fp8),
         stop=stop,
     )
+    if world.is_main and (recovered := writer.recover_rows(plan.complete)):
+        log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
     sync = PassSync(world.world_size, world.exchange_group)
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
         # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).

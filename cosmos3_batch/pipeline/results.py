@@ -16,7 +16,7 @@ import torch
 import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import MetricsWriter, iso_time
+from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.space import DISK_ERRNOS, describe_free, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
@@ -85,6 +85,34 @@ class ResultWriter:
             self.failed[r.id] = error
             log.warning("request %s failed: %s", r.id, error)
         self.row(job, "ok" if error is None else "failed", output, error)
+
+    def recover_rows(self, complete: list[Request]) -> int:
+        """A metrics row for each complete output that has none: a crash (or a full disk) between its sidecar
+        and its row. Taken from the sidecar, so metrics.csv still holds one ok row per output."""
+        have = ids_with_ok_rows(self.cfg.out)
+        recovered = 0
+        for r in complete:
+            if r.id in have:
+                continue
+            paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames)
+            try:
+                sidecar = json.loads(paths.sidecar.read_text())
+                finished = paths.sidecar.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            timings = sidecar.get("timings") or {}
+            fields = {k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")}
+            fields.update(kind=r.kind, width=r.width, height=r.height, num_frames=r.num_frames, seed=r.seed)
+            fields.update(steps=r.num_inference_steps, guidance=r.guidance_scale)
+            fields.update(tokens=sidecar.get("tokens"))
+            fields.update(rank=self.rank, finished_at=iso_time(finished), output=paths.media.name)
+            try:
+                self.metrics.row(id=r.id, status="ok", **fields)
+            except OSError as exc:  # still no room: the next run tries again
+                log.warning("cannot recover metrics rows: %s", exc)
+                break
+            recovered += 1
+        return recovered
 
     def _disk_full(self, code: int, exc: BaseException) -> None:
         where = getattr(exc, "filename", None) or self.cfg.out

@@ -1,0 +1,70 @@
+"""`cosmos3-torchrun`'s end: torchrun's failures become the workers' agreed code and one line; the root cause
+of a failed job (a rank killed by the kernel, a crash) wins over what the agent did to the other ranks."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from cosmos3_batch.parallel.launch import outcome
+from cosmos3_batch.pipeline.ending import first_stop
+from cosmos3_batch.pipeline.stop import JobFault, StopRequest
+
+
+def failure(tmp_path, rank: int, exitcode: int, crash: str | None = None) -> ProcessFailure:
+    error_file = str(tmp_path / f"error-{rank}.json")
+    if crash is not None:  # what torchelastic's `record` writes for an uncaught exception
+        body = {"message": {"message": crash, "extraInfo": {"py_callstack": "...", "timestamp": "1"}}}
+        (tmp_path / f"error-{rank}.json").write_text(json.dumps(body))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=error_file)
+
+
+@pytest.mark.parametrize(
+    ("codes", "crash", "expected", "text"),
+    [
+        ({0: 2, 1: 2}, None, 2, "the job exited with 2 (ranks 0, 1): bad input"),
+        ({0: 75, 1: -15}, None, 75, "the job exited with 75 (ranks 0): the output filesystem is full"),
+        ({0: 1, 1: 1}, None, 1, "the job exited with 1 (ranks 0, 1): some requests failed"),
+        ({0: 143, 1: 143}, None, 143, "stopped by SIGTERM; finished outputs"),
+        ({0: 130, 1: -15}, None, 130, "stopped by SIGINT; finished outputs"),
+        (
+            {0: 1, 1: -9},
+            "RuntimeError: Connection closed by peer",
+            137,
+            "rank 1 was killed by SIGKILL (out of",
+        ),
+        (
+            {0: 1, 1: -15},
+            "ValueError: boom\nmore",
+            1,
+            "rank 0 crashed: ValueError: boom (its traceback is above)",
+        ),
+        ({0: -15, 1: -15}, None, 143, "rank 0 was stopped by SIGTERM"),
+        ({1: -signal.SIGBUS}, None, 128 + signal.SIGBUS, "rank 1 was killed by SIGBUS;"),
+    ],
+)
+def test_the_launcher_passes_the_workers_code_through_with_one_line(tmp_path, codes, crash, expected, text):
+    failures = {
+        rank: failure(tmp_path, rank, code, crash if code == 1 and crash and rank == 0 else None)
+        for rank, code in codes.items()
+    }
+    code, line = outcome(failures)
+    assert code == expected and text in line and "\n" not in line, line
+
+
+def test_ranks_report_the_worst_stop_any_of_them_saw():
+    disk = JobFault(75, "disk", "ENOSPC writing x")
+    changed = JobFault(1, "checkpoint", "checkpoint file y changed")
+    stop = StopRequest(quiet=True)
+    stop.fail(disk)
+    stop.fail(JobFault(75, "disk", "a later disk error"))  # the first of a kind is kept
+    assert stop.record()["message"] == "ENOSPC writing x"
+    stop.fail(changed)  # a worse kind replaces it
+    assert stop.record() == {"kind": "checkpoint", "code": 1, "message": "checkpoint file y changed"}
+    signalled = {"kind": "signal", "code": 143, "message": "SIGTERM"}
+    reports = [signalled, {"kind": "disk", "code": 75, "message": "m"}, None]
+    assert first_stop([r for r in reports if r]) == {"kind": "disk", "code": 75, "message": "m"}
+    assert first_stop([signalled]) == signalled and first_stop([]) is None
