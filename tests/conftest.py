@@ -17,7 +17,7 @@ from cosmos3_batch.model.tiny import TinySpec, write_tiny
 # Seconds a module takes on this project's 2-core reference machine (measured with --durations), for the
 # split below; unlisted modules count one second per test.
 MODULE_SECONDS = {
-    "tests/slurm/test_slurm.py": 250,
+    "tests/slurm/test_slurm.py": 290,
     "tests/dist/test_runs.py": 230,
     "tests/dist/test_stop.py": 220,
     "tests/unit/test_bench_smoke.py": 175,
@@ -28,6 +28,8 @@ MODULE_SECONDS = {
     "tests/dist/test_modes_dist.py": 90,
     "tests/dist/test_engine_toy.py": 90,
     "tests/dist/test_resume.py": 60,
+    "tests/dist/test_launcher.py": 45,
+    "tests/unit/test_faults.py": 35,
     "tests/unit/test_fidelity.py": 50,
     "tests/unit/test_inputs.py": 40,
     "tests/unit/test_fp8_fidelity.py": 30,

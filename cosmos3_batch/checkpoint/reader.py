@@ -9,7 +9,6 @@ copy of them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -194,7 +193,6 @@ class RowReader:
             raise ValueError(f"{path}: row reads need a 2-D tensor, got shape {shape}")
         self.path, self.offset, self.dtype, self.shape = path, offset, dtype, shape
         self.row_bytes = shape[1] * dtype.itemsize
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self.short_reads = 0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -204,16 +202,20 @@ class RowReader:
             raise IndexError(f"token id out of range for the {self.shape[0]}-row embedding table")
         rows = torch.empty(len(unique), self.shape[1], dtype=self.dtype)
         view = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-        for i, row in enumerate(unique):
-            at, want = self.offset + row * self.row_bytes, view[i * self.row_bytes : (i + 1) * self.row_bytes]
-            got = os.preadv(self._fd, [want], at)
-            if got != self.row_bytes:  # truncated under the job: the watch discards this pass (see above)
-                want[got:] = bytes(self.row_bytes - got)
-                self.short_reads += 1
+        # Opened per lookup (microseconds): no descriptor outlives the call, however many jobs a process runs.
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for i, row in enumerate(unique):
+                at, want = (
+                    self.offset + row * self.row_bytes,
+                    view[i * self.row_bytes : (i + 1) * self.row_bytes],
+                )
+                got = os.preadv(fd, [want], at)
+                if got != self.row_bytes:  # truncated under the job: the watch discards this pass (see above)
+                    want[got:] = bytes(self.row_bytes - got)
+                    self.short_reads += 1
+        finally:
+            os.close(fd)
         where = {row: i for i, row in enumerate(unique)}
         index = torch.tensor([where[t] for t in flat], dtype=torch.long)
         return rows[index].reshape(*ids.shape, self.shape[1])
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            os.close(self._fd)

@@ -33,6 +33,11 @@ class CheckpointWatch:
         self.root = Path(root)
         self.stamps: dict[Path, FileStamp] = {}
         for path in sorted(self.root.rglob("*")):
+            if (
+                any(part.startswith(".") for part in path.relative_to(self.root).parts)
+                or path.suffix == ".lock"
+            ):
+                continue  # a downloader's locks and metadata (.cache/), NFS's .nfsXXXX: not the model's files
             try:
                 if path.is_file():  # follows a cache snapshot's symlinks to the blobs they name
                     self.stamps[path] = FileStamp.of(path.stat())

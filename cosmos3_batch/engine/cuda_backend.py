@@ -198,7 +198,7 @@ class CudaBackend:
             seen[id(span.start)], seen[id(span.end)] = span.start, span.end
         self._pool.extend(seen.values())
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
         """Teardown, not the steady state: wait (with a deadline) for what the streams still hold, since
         DMA out of a registered range may be in flight after an error mid-pass and unregistering under it
         would be undefined. A gather stuck on a dead peer never completes: then leave the memory
@@ -211,7 +211,7 @@ class CudaBackend:
             self._copiers.shutdown(wait=False, cancel_futures=True)
             if stuck:
                 log.warning("a staging copy is still running %.0f s after the end: not waiting", timeout_s)
-                return
+                return False
         fences = []
         for stream in (self.copy_stream, self.comm_stream, self.compute):
             fence = self.cuda.Event()
@@ -222,11 +222,12 @@ class CudaBackend:
                 log.warning(
                     "streams still busy %.0f s after the end (a stuck gather?): not waiting", timeout_s
                 )
-                return
+                return False
             time.sleep(0.01)
         for region in self._pinned:
             region.close()
         self._pinned = []
+        return True
 
 
 def _chunks(nbytes: int) -> list[tuple[int, int]]:

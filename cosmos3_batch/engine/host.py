@@ -103,7 +103,10 @@ class FileReader:
             if got == 0:  # the file ends early: it was truncated after it was loaded
                 view[done:] = bytes(len(view) - done)
                 self.short_reads += 1
-                log.warning("%s ends before byte %d: truncated while the job runs", piece.path, base + done)
+                if self.short_reads == 1:  # once: the checkpoint watch stops the job after this pass
+                    log.warning(
+                        "%s ends before byte %d: truncated while the job runs", piece.path, base + done
+                    )
                 return
             done += got
 

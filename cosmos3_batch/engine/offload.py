@@ -205,8 +205,8 @@ class LayerOffload:
     def close(self) -> None:
         # Fetches still in flight (the next pass's prefetch at the end of a run) are issued on every rank
         # alike, so they complete; a dead peer is why close() waits with a deadline, never forever.
-        self.backend.close(self.config.close_timeout_s)
-        if self.source.reader is not None:
+        clean = self.backend.close(self.config.close_timeout_s)
+        if self.source.reader is not None and clean:  # a stuck copy may still read through its descriptors
             self.source.reader.close()
 
 

@@ -184,7 +184,8 @@ class CpuBackend:
             self._compute_from = None
         counters.add(self._times.take())
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
+        """True once every fetch has finished; False if one is stuck (a dead peer): not joined then."""
         _, stuck = wait(self._inflight, timeout=timeout_s)
         if stuck:
             # A gather whose peer died: its thread cannot be interrupted; do not join it (the process is
@@ -193,8 +194,9 @@ class CpuBackend:
                 "%d fetch(es) still in flight after %.0f s: not waiting for them", len(stuck), timeout_s
             )
             self._worker.shutdown(wait=False, cancel_futures=True)
-            return
+            return False
         self._worker.shutdown(wait=True)
+        return True
 
 
 def parse_offload(name: str) -> OffloadMode:

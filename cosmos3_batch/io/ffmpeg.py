@@ -20,7 +20,7 @@ class EncoderError(RuntimeError):
     """ffmpeg refused or failed: its last line of stderr (the whole of it goes to the log at DEBUG)."""
 
 
-def run_ffmpeg(args: list[str], what: str, stdin: bytes | None = None) -> None:
+def run_ffmpeg(args: list[str], what: str, stdin: bytes | memoryview | None = None) -> None:
     """Run the bundled ffmpeg with `args`; its own messages go to the log at DEBUG, never to the terminal.
     A failure is one EncoderError line; a full or read-only disk keeps its errno (io/space.py reads it)."""
     import imageio_ffmpeg

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import fcntl
 import io
 import logging
@@ -74,33 +75,54 @@ def iso_time(seconds: float) -> str:
 
 
 class MetricsWriter:
+    """Appends rows to this writer's part file, each row whole or not at all.
+
+    A row is one `os.write` of its CSV text, then fsync; a write the disk refuses part-way is cut back off
+    (`ftruncate`), so a full disk never leaves a torn row that the next row would be glued onto. A torn
+    tail left by a crash mid-write is cut off when the file is opened again."""
+
     def __init__(self, out_dir: Path, rank: int, tag: str = ""):
         # One part file per writer: ranks, and array tasks sharing --out, never append to the same file.
         self.path = out_dir / STATE_DIR / f"metrics.{tag + '-' if tag else ''}rank{rank}.csv"
         # Our own hidden file: a symlink planted at its name is replaced, never appended through.
         if self.path.is_symlink():
             self.path.unlink()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        new = os.fstat(fd).st_size == 0
-        self._file = os.fdopen(fd, "a", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="raise")
-        if new:
-            self._writer.writeheader()
-            self._sync()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        _cut_torn_tail(self._fd)
+        if os.fstat(self._fd).st_size == 0:
+            self._append(",".join(COLUMNS) + "\r\n")
 
     def row(self, **fields) -> None:
-        self._writer.writerow({key: _cell(fields.get(key)) for key in COLUMNS})
-        self._sync()
+        buffer = io.StringIO()
+        csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="raise").writerow(
+            {key: _cell(fields.get(key)) for key in COLUMNS}
+        )
+        self._append(buffer.getvalue())
 
-    def _sync(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+    def _append(self, text: str) -> None:
+        data = text.encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            if os.write(self._fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+            os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)  # no torn row: the file ends where it ended before
+            raise
 
     def close(self) -> None:
-        # A row that a full disk refused is still in the buffer: it was reported when it failed, and the
-        # flush close() would try again must not turn the job's end into a traceback.
-        with contextlib.suppress(OSError):
-            self._file.close()
+        os.close(self._fd)
+
+
+def _cut_torn_tail(fd: int) -> None:
+    """Cut a last line that lacks its newline (a crash mid-append): the file then ends after a whole row."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    chunk = min(size, 1 << 16)
+    tail = os.pread(fd, chunk, size - chunk)
+    os.ftruncate(fd, size - chunk + tail.rfind(b"\n") + 1 if b"\n" in tail else 0)
 
 
 def _cell(value) -> str:

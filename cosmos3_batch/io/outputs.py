@@ -217,7 +217,7 @@ def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
     rate = str(Fraction(fps).limit_denominator())
     source = ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}", "-pix_fmt", "rgb24"]
     encode = ["-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", "10", "-f", "mp4", str(tmp)]
-    data = np.ascontiguousarray(frames, dtype=np.uint8).tobytes()
+    data = memoryview(np.ascontiguousarray(frames, dtype=np.uint8)).cast("B")  # no copy of the whole clip
     run_ffmpeg([*source, "-r", rate, "-i", "-", *encode], f"encode {count} frames", stdin=data)
 
 

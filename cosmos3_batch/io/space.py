@@ -55,6 +55,12 @@ def describe_free(path: Path) -> str:
     return f"{human_bytes(room[0])} free of {human_bytes(room[1])}"
 
 
+def describe_refusal(code: int, path: Path | str, out: Path) -> str:
+    """One line for a write that a full or read-only filesystem refused: the errno, the file, the room."""
+    refused = f"{DISK_ERRNOS[code]} ({os.strerror(code)}) writing {path}"
+    return f"{refused}: {describe_free(out)} on the filesystem of {out}"
+
+
 # Upper-end guesses, not promises: H.264 at our quality (crf 10) stays well under a byte per pixel per
 # frame for generated video; PNG can reach its raw size on noise. The check only has to catch a job that
 # could not write even its largest output, before hours of compute.

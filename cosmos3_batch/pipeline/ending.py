@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import STATE_DIR, merge_metrics
-from cosmos3_batch.io.space import disk_errno
+from cosmos3_batch.io.metrics import PART_GLOB, STATE_DIR, merge_metrics
+from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.job_plan import Plan
@@ -63,10 +63,14 @@ def end_run(cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started
                 "abandoned": sorted(i for report in ranks for i in report["abandoned"] + report["unwritten"]),
                 "not_started": sum(report["not_started"] for report in ranks),
             }
-        write_reports(cfg, summary, merge=bool(ranks))
+        # Also when nothing ran: rows an earlier run could not merge (a full disk) are merged now.
+        full = write_reports(cfg, summary, merge=bool(ranks) or any((cfg.out / STATE_DIR).glob(PART_GLOB)))
         if failed:
             log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
-    world.barrier()  # summary.json exists before any rank reports success
+    # Also the barrier after which summary.json exists; and a disk that filled only now is a full disk.
+    full = world.all_gather_object(full if world.is_main else None)[0]
+    if stop is None and full is not None:
+        stop = {"kind": "disk", "code": ExitCode.DISK, "message": full}
     code = stop["code"] if stop is not None else ExitCode.FAILED if failed else ExitCode.OK
     if not world.is_main:
         return Outcome(int(code), None, None)
@@ -76,15 +80,18 @@ def end_run(cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started
     return Outcome(int(code), describe_summary(summary, cfg.out), error)
 
 
-def write_reports(cfg: RunConfig, summary: dict, merge: bool) -> None:
+def write_reports(cfg: RunConfig, summary: dict, merge: bool) -> str | None:
     """metrics.csv and summary.json, each as far as the disk allows: a full disk loses neither (the metrics
-    rows stay in their part files, merged by the next run; the summary goes to stderr)."""
+    rows stay in their part files, merged by the next run; the summary goes to stderr). Returns what a full
+    disk refused (one line), else None."""
+    full = None
     if merge:
         try:
             merge_metrics(cfg.out)
         except OSError as exc:
-            if disk_errno(exc) is None:
+            if (code := disk_errno(exc)) is None:
                 raise
+            full = describe_refusal(code, cfg.out / "metrics.csv", cfg.out)
             log.error(
                 "metrics.csv not merged (%s): every row is kept in %s/ and the next run merges them",
                 exc.strerror or exc,
@@ -94,7 +101,9 @@ def write_reports(cfg: RunConfig, summary: dict, merge: bool) -> None:
     try:
         outputs.write_json(cfg.out / name, summary)
     except OSError as exc:
-        if disk_errno(exc) is None:
+        if (code := disk_errno(exc)) is None:
             raise
+        full = full or describe_refusal(code, cfg.out / name, cfg.out)
         log.error("%s not written (%s); here it is:", name, exc.strerror or exc)
         print(json.dumps(summary, sort_keys=True), file=sys.stderr, flush=True)
+    return full

@@ -115,8 +115,9 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     valid = [r for r in requests if (r.source, r.line) not in bad_lines]
     if valid:  # a job that could not write even its largest output must not start
         try:
-            largest = max(valid, key=lambda r: _output_bytes(r, cfg, checkpoint))
-            check_room(cfg.out, _output_bytes(largest, cfg, checkpoint), f"request {largest.id!r}")
+            size = _output_size(cfg, checkpoint)
+            largest = max(valid, key=size)
+            check_room(cfg.out, size(largest), f"request {largest.id!r}")
         except ValueError as exc:
             raise BadInput(str(exc)) from exc
     requests = valid
@@ -168,17 +169,18 @@ def _recorded(cfg: RunConfig, stop: StopRequest) -> Outcome:
     try:
         try:
             return _run(cfg, world, stop)
-        except BadInput as exc:  # every rank read the same files and found the same problem: one says it
-            world.barrier()  # ... and all leave together, none killed by the launcher mid-start
+        except BadInput as exc:  # raised on every rank (`_agreed`): one of them says it
             return Outcome(ExitCode.BAD_INPUT, None, str(exc) if world.is_main else None)
     finally:
         teardown(world)
 
 
-def _output_bytes(r: Request, cfg: RunConfig, checkpoint: Checkpoint) -> int:
+def _output_size(cfg: RunConfig, checkpoint: Checkpoint):
+    """request -> about how many bytes its outputs take (io/space.py), the VAE's factors read once."""
     vae = checkpoint.config("vae")
+    channels = int(vae.get("z_dim", 48))
     spatial, temporal = int(vae.get("scale_factor_spatial", 16)), int(vae.get("scale_factor_temporal", 4))
-    return output_bytes(r, cfg.save_latents, int(vae.get("z_dim", 48)), spatial, temporal)
+    return lambda r: output_bytes(r, cfg.save_latents, channels, spatial, temporal)
 
 
 def _check_same_plan(world: World, plan: Plan) -> None:
@@ -191,35 +193,15 @@ def _check_same_plan(world: World, plan: Plan) -> None:
         )
 
 
-def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | None]:
+def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
     started = time.time()
     _quiet_other_ranks(world)
-    stdin = None
-    if STDIN in cfg.prompts:  # rank 0 reads it; under torchrun the others must not race it for the bytes
-        stdin = world.all_gather_object(sys.stdin.buffer.read() if world.is_main else None)[0]
-    plan = plan_run(cfg, world.world_size, stdin)  # also checks --sp against the heads and the ranks
-    groups = world.world_size // cfg.sp
-    ids = {r.id for r in plan.requests}
-    if world.is_main:
-        state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
-        if stale := outputs.remove_stale_temporaries(cfg.out, ids):
-            log.info("removed %d temporary file(s) left by an interrupted run", stale)
-    _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
-    log.info(
-        "%d requests to generate, %d already complete%s, %d invalid",
-        len(plan.requests),
-        len(plan.complete),
-        preview(r.id for r in plan.complete),
-        len(plan.invalid),
-    )
+    plan = _plan_everywhere(cfg, world)
     if not plan.requests:  # nothing to do: no weight is read, no bar is shown
         return end_run(cfg, world, plan, [], started)
-    try:
-        outputs.pin_encoder()
-    except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
-        raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
+    _agreed(world, _pin_encoder)
     # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
-    mine = assign(plan.requests, groups).queues[world.rank // cfg.sp]
+    mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
     seq_group = build_seq_group(world.rank, world.world_size, cfg.sp, world.device, cfg.collective_timeout_s)
     if world.is_main and spans_nodes(cfg.sp, world.local_world_size):
         log.warning(
@@ -269,6 +251,29 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         sp=seq_group,
         watch=watch.changed,
     )
+    _drive(cfg, world, runner, mine, writer, bar, stop)
+    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
+    report = rank_report(world, runner, writer, gathers)
+    report["stop"] = stop.record()
+    report["weights"] = weights_report(ctx.split.fp8, calls=True)
+    ranks = world.all_gather_object(report)
+    # Peers' outputs written after the last exchange reach rank 0's bar only now.
+    bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
+    bar.close()
+    return end_run(cfg, world, plan, ranks, started)
+
+
+def _drive(
+    cfg: RunConfig,
+    world: World,
+    runner: PassRunner,
+    mine: list[Request],
+    writer: ResultWriter,
+    bar: Progress,
+    stop: StopRequest,
+) -> None:
+    """Run this rank's queue; whatever happens, close the metrics part file and the engine and keep the
+    pass timeline (a full disk may refuse it: it is for the report only)."""
     try:
         runner.run(mine)
         for job in runner.abandoned:  # stopped mid-denoise: on record, and redone by the next run
@@ -283,22 +288,57 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> tuple[int, str | No
         bar.close()
         raise
     finally:
-        metrics.close()
-        weights.close()
+        writer.metrics.close()
+        runner.weights.close()
         try:
             write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
-        except OSError as exc:  # a full disk: the timeline is for the report only, the job goes on ending
+        except OSError as exc:
             if disk_errno(exc) is None:
                 raise
-    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-    report = rank_report(world, runner, writer, gathers)
-    report["stop"] = stop.record()
-    report["weights"] = weights_report(ctx.split.fp8, calls=True)
-    ranks = world.all_gather_object(report)
-    # Peers' outputs written after the last exchange reach rank 0's bar only now.
-    bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
-    bar.close()
-    return end_run(cfg, world, plan, ranks, started)
+
+
+def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
+    """The same plan on every rank (checked), the bookkeeping folder made and stale temporaries removed."""
+    stdin = None
+    if STDIN in cfg.prompts:  # rank 0 reads it; under torchrun the others must not race it for the bytes
+        stdin = world.all_gather_object(sys.stdin.buffer.read() if world.is_main else None)[0]
+    # Also checks --sp against the heads and the ranks, and the room on --out (a live figure: agreed).
+    plan = _agreed(world, lambda: plan_run(cfg, world.world_size, stdin))
+    if world.is_main:
+        state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
+        if stale := outputs.remove_stale_temporaries(cfg.out, {r.id for r in plan.requests}):
+            log.info("removed %d temporary file(s) left by an interrupted run", stale)
+    _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
+    log.info(
+        "%d requests to generate, %d already complete%s, %d invalid",
+        len(plan.requests),
+        len(plan.complete),
+        preview(r.id for r in plan.complete),
+        len(plan.invalid),
+    )
+    return plan
+
+
+def _agreed(world: World, step):
+    """`step()` on every rank; BadInput on every rank if it raised BadInput on any (its first message).
+
+    What one rank finds may differ from what another does (free space on --out, ffmpeg on a node): the
+    ranks must still leave together, before the first collective that the others would wait in."""
+    try:
+        result, problem = step(), None
+    except BadInput as exc:
+        result, problem = None, str(exc)
+    problems = [p for p in world.all_gather_object(problem) if p]
+    if problems:
+        raise BadInput(problems[0])
+    return result
+
+
+def _pin_encoder() -> None:
+    try:
+        outputs.pin_encoder()
+    except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
+        raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
 
 
 def _cause(stop: StopRequest) -> str:

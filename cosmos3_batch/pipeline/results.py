@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
-from cosmos3_batch.io.space import DISK_ERRNOS, describe_free, disk_errno
+from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
@@ -63,9 +62,10 @@ class ResultWriter:
     def __call__(self, job: RequestJob, result: Result | None, error: str | None) -> None:
         r = job.request
         output = ""
-        if result is not None and self.stop.fault is not None:
-            # The job is stopping for a full disk or a changed checkpoint: this decoded request is not
-            # written (a rerun generates it), and does not add one more failed write to the log.
+        if result is not None and self.stop.fault is not None and self.stop.fault.kind == "disk":
+            # The job is stopping for a full disk: this decoded request is not written (a rerun generates
+            # it), and does not add one more failed write to the log. (After a changed checkpoint, what is
+            # decoded still is: the runner submits nothing computed from the changed files.)
             self.unwritten.append(r.id)
             self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
             return
@@ -116,14 +116,7 @@ class ResultWriter:
 
     def _disk_full(self, code: int, exc: BaseException) -> None:
         where = getattr(exc, "filename", None) or self.cfg.out
-        self.stop.fail(
-            JobFault(
-                ExitCode.DISK,
-                "disk",
-                f"{DISK_ERRNOS[code]} ({os.strerror(code)}) writing {where}: {describe_free(self.cfg.out)} "
-                f"on the filesystem of {self.cfg.out}",
-            )
-        )
+        self.stop.fail(JobFault(ExitCode.DISK, "disk", describe_refusal(code, where, self.cfg.out)))
 
     def row(self, job: RequestJob, status: str, output: str = "", error: str | None = None) -> None:
         r = job.request

@@ -170,6 +170,7 @@ class PassRunner:
         self.interrupted = False  # the run left the loop on a stop request
         self.abandoned: list[RequestJob] = []  # mid-denoise when the run stopped: redone by the next run
         self.not_started: list[Request] = []  # still queued when the run stopped
+        self._unsubmitted: list[RequestJob] = []  # finished from a changed checkpoint: never written
         self._reported = 0  # requests reported on this rank since the last exchange (finisher thread)
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
@@ -208,7 +209,7 @@ class PassRunner:
                 self.interrupted = True
                 if self.leads:  # a group's requests are on record once
                     # Prefilled-ahead requests never took a step: like the queued ones, not started.
-                    self.abandoned = active
+                    self.abandoned = active + self._unsubmitted
                     self.not_started = [job.request for job in slots.ready] + list(slots.queue)
                 return
             if world.active == 0 and world.pending == 0:
@@ -225,13 +226,15 @@ class PassRunner:
             active = self._begin(active)
             self._pass(active, und, prefill)
             slots.ready.extend(self._drop_failed(prefill))
-            if self._checkpoint_changed():
-                continue  # this pass may have read changed bytes: no step of it is finished or written
-            active = self._finish(active)
+            # The pass may have read changed bytes: its steps are taken (an --sp group's collectives stay
+            # aligned) but nothing it finished is submitted; the next exchange stops every rank.
+            active = self._finish(active, submit=not self._checkpoint_changed())
 
     def _checkpoint_changed(self) -> bool:
-        """After a pass, before anything it computed is finished: are the checkpoint's files as loaded?
-        A change stops the job at the next exchange (exit 1), on every rank."""
+        """After a pass, before anything it computed is submitted: are the checkpoint's files as loaded?
+        A change stops the job at the next exchange (exit 1), on every rank. Under --sp only the group's
+        first rank submits, and its stat comes after every group rank's reads of the pass (they reached
+        it through the all-to-alls), so it sees any change those reads saw."""
         if self.watch is None or (change := self.watch()) is None:
             return False
         advice = "replace checkpoints by rename, never in place"
@@ -334,20 +337,25 @@ class PassRunner:
             job.weight_bytes += ranks * (counters.h2d_bytes + counters.gathered_bytes) / len(riders)
             job.stall_s += counters.stall_s / len(riders)
 
-    def _finish(self, active: list[RequestJob]) -> list[RequestJob]:
+    def _finish(self, active: list[RequestJob], submit: bool = True) -> list[RequestJob]:
+        """Each job's step after the pass; `submit=False` (a changed checkpoint): the steps are still taken,
+        so that an --sp group's collectives stay aligned, but nothing is submitted or failed: every job
+        becomes abandoned at the stop that follows."""
         still = []
         for job in active:
-            if job.error is not None:
-                self._fail(job, job.error)
-                continue
-            try:
-                job.finish_step()
-            except Exception as exc:
-                if self.sp is not None:
-                    raise
-                self.finisher.fail(job, _describe(exc))
-                continue
-            if job.done:
+            error = job.error
+            if error is None:
+                try:
+                    job.finish_step()
+                except Exception as exc:
+                    if self.sp is not None:
+                        raise
+                    error = _describe(exc)
+            if not submit:
+                self._unsubmitted.append(job)
+            elif error is not None:
+                self._fail(job, error)
+            elif job.done:
                 # Only the latents are needed from here: drop the UND caches and GEN streams now, so
                 # device memory does not grow with the decode backlog.
                 job.branches = []

@@ -43,6 +43,7 @@ class StopRequest:
     def __init__(self, quiet: bool | None = None) -> None:
         self.signum: int | None = None
         self.fault: JobFault | None = None  # set from any thread (the finisher's writes, the loop's checks)
+        self._fault_lock = threading.Lock()  # never taken by the signal handler
         self._first_at = 0.0
         self._repeats = 0
         # Under torchrun every worker gets the signal: only rank 0 says so.
@@ -55,9 +56,10 @@ class StopRequest:
     def fail(self, fault: JobFault) -> None:
         """Stop the job at the next pass for `fault`; the first fault of a kind wins, a worse kind replaces
         a milder one (PRECEDENCE)."""
-        current = self.fault
-        if current is None or PRECEDENCE.index(fault.kind) < PRECEDENCE.index(current.kind):
-            self.fault = fault
+        with self._fault_lock:  # the finisher (a full disk) and the loop (a changed checkpoint) may race
+            current = self.fault
+            if current is None or PRECEDENCE.index(fault.kind) < PRECEDENCE.index(current.kind):
+                self.fault = fault
 
     def record(self) -> dict | None:
         """This rank's reason to stop, for the end-of-run exchange (None: it was not asked to)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -61,13 +60,14 @@ def peaks_path(prefix: str) -> Path:
 
 def cli_worker(prefix: str, cli_args: list[str]) -> int:
     """One rank of the real CLI, in this process, so that the rank can report its own peaks."""
-    from cosmos3_batch.cli import main as cli_main
+    # The typer app, not cli.main(): under torchrun main() leaves the process with os._exit at the end of the
+    # job, before this rank could write its peaks.
+    from cosmos3_batch.cli import app
 
-    sys.argv = ["cosmos3_batch", *cli_args]
     code = 0
     with PeakMemory() as peaks:
         try:
-            cli_main()
+            app(cli_args, prog_name="cosmos3_batch")
         except SystemExit as exc:  # typer ends every command with SystemExit
             code = exc.code if isinstance(exc.code, int) else 1
     peaks.write(peaks_path(prefix))

