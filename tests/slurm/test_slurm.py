@@ -48,6 +48,7 @@ REQUEUE_ROWS = [_row(f"rq{i}", "a lighthouse in fog", 1, 40, 200 + i, guidance_s
 # A full disk: about five of these fit in the room left on the job's tmpfs.
 FULL_ROWS = [_row(f"fd{i}", "a desert road", 1, 10, 300 + i, guidance_scale=1.0) for i in range(10)]
 FULL_ROOM = 40 << 10
+HELD = {"job_requeued_in_held_state", "JobHeldUser", "JobHeldAdmin"}  # what `scontrol requeuehold` leaves
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -218,7 +219,7 @@ def test_a_full_disk_holds_the_job_until_space_is_freed(cluster: Cluster, jobs: 
     try:
         # Exit 75: the script puts the job back in the queue, held, instead of letting it end.
         poll(
-            lambda: cluster.records(job.id)[0].get("Reason", "").startswith("JobHeld"),
+            lambda: cluster.records(job.id)[0].get("Reason") in HELD,
             JOB_DEADLINE_S,
             lambda: f"job {job.id} not held: {cluster.records(job.id)[0]}{job_logs(job)}",
         )
