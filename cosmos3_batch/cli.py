@@ -85,6 +85,13 @@ def run(
         float,
         typer.Option(help="Seconds a collective may wait for a peer before the job fails (a dead rank)."),
     ] = 600.0,
+    load_timeout_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds the ranks wait for each other to finish loading (a cold read of a 128 GB "
+            "checkpoint from a network filesystem takes minutes), instead of --collective-timeout-s."
+        ),
+    ] = 3600.0,
     max_vision_tokens: Annotated[
         int,
         typer.Option(
@@ -143,6 +150,7 @@ def run(
             progress=progress,
             offload=offload,
             collective_timeout_s=collective_timeout_s,
+            load_timeout_s=load_timeout_s,
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
             shard=shard,

@@ -36,6 +36,7 @@ class RunConfig:
     shard: tuple[int, int] | None = None  # (index, count): this job runs one slice of the file
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
+    load_timeout_s: float = 3600.0  # ranks wait this long for each other to finish loading (cold shard reads)
     fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always
     # When the world fetches the UND halves (DESIGN.md §4, plan/prefill.py).
     prefill: PrefillRule = field(default_factory=PrefillRule)
@@ -59,6 +60,8 @@ class RunConfig:
             raise ValueError(f"--max-vision-tokens must be >= 1, got {self.max_vision_tokens}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"--load-timeout-s must be > 0, got {self.load_timeout_s}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.fp8_compute not in FP8_COMPUTE:

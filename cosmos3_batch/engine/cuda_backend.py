@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 KIND_FIELD = {"stall": "stall_s", "compute": "compute_s", "gather": "collective_s", "copy": "h2d_s"}
 STAGING_THREADS = 8  # host threads filling a staging buffer when the mapped file cannot be registered
 STAGING_CHUNK = 16 << 20  # bytes one staging thread copies at a time
+HIGH_PRIORITY = -1  # CUDA stream priority: lower is higher; out-of-range values are clamped to the range
 
 
 @dataclass
@@ -56,8 +57,10 @@ class CudaBackend:
         self.source = source
         self.slots = slots
         self.compute = self.cuda.current_stream(device)
-        self.copy_stream = self.cuda.Stream(device)
-        self.comm_stream = self.cuda.Stream(device)
+        # High priority: a part's copy and gather are on compute's critical path (compute waits for them),
+        # so when the device is busy, their kernels are scheduled ahead of the decode on the side stream.
+        self.copy_stream = self.cuda.Stream(device, priority=HIGH_PRIORITY)
+        self.comm_stream = self.cuda.Stream(device, priority=HIGH_PRIORITY)
         self.slot_free = [self.cuda.Event() for _ in slots]
         self.copied = [self.cuda.Event() for _ in slots]
         self.ready = [self.cuda.Event() for _ in slots]
@@ -86,7 +89,12 @@ class CudaBackend:
         for pieces in self.source.local:
             for piece in pieces:
                 by_file.setdefault(piece.data.untyped_storage().data_ptr(), []).append(piece.data)
-        regions = register_read_only(list(by_file.values()), cudart) if (real or cudart is not None) else None
+        index = device.index if isinstance(device, torch.device) and device.index is not None else 0
+        regions = (
+            register_read_only(list(by_file.values()), cudart, index)
+            if (real or cudart is not None)
+            else None
+        )
         if regions is not None:
             self._pinned += regions
             self.registered = True

@@ -2,7 +2,7 @@
 
 A part (for Cosmos3: one layer's UND or GEN half) becomes one contiguous byte buffer:
 
-    [ dtype group 0: params in fixed order | pad to ALIGN ][ dtype group 1 ... ][ pad to world x ALIGN ]
+    [ dtype group 0: param | pad to ALIGN | param | pad ... ][ dtype group 1 ... ][ pad to world x ALIGN ]
 
 Rank r owns bytes [r * shard, (r + 1) * shard). One in-place AllGather of the whole buffer rebuilds the
 part on every rank, whatever its dtypes, and each parameter is a view at an aligned byte offset (so
@@ -38,7 +38,7 @@ class ParamSpec:
 @dataclass(frozen=True)
 class ParamPlace:
     spec: ParamSpec
-    offset: int  # byte offset in the part buffer (aligned to the dtype's item size at least)
+    offset: int  # byte offset in the part buffer: a multiple of ALIGN
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,10 @@ def build_part_layout(key: str, params: list[ParamSpec], world_size: int, align:
         groups.setdefault(spec.dtype, []).append(spec)
     places, offset = [], 0
     for specs in groups.values():
-        offset = _round_up(offset, align)
         for spec in specs:
+            # Every parameter, not only every dtype group, starts on an ALIGN boundary: cuBLASLt and the
+            # vectorised kernels read faster (some only) from 256-byte aligned pointers. < ALIGN per param.
+            offset = _round_up(offset, align)
             places.append(ParamPlace(spec, offset))
             offset += spec.nbytes
     total = _round_up(max(offset, 1), world_size * align)

@@ -6,6 +6,7 @@ stand-in that records the calls (tests/unit/test_pinning.py).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import torch
@@ -18,16 +19,68 @@ CUDA_HOST_REGISTER_READ_ONLY = 0x08
 PAGE = mmap.PAGESIZE
 
 
+CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED = 113  # cudaDevAttrHostRegisterReadOnlySupported
+
+
+class Runtime:
+    """What registration needs from the CUDA runtime: torch's cudaHostRegister / cudaHostUnregister, and,
+    from the libcudart torch has loaded (ctypes), cudaGetLastError and cudaDeviceGetAttribute, which torch
+    does not bind. A failed cudaHostRegister leaves its error as the thread's last error, and torch's
+    check after the next kernel launch would raise it there, far from the cause: it must be cleared."""
+
+    def __init__(self) -> None:
+        self._torch = torch.cuda.cudart()
+        self._lib = _libcudart()
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        return int(self._torch.cudaHostRegister(ptr, nbytes, flags))
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        return int(self._torch.cudaHostUnregister(ptr))
+
+    def cudaGetLastError(self) -> int:
+        return int(self._lib.cudaGetLastError()) if self._lib is not None else 0
+
+    def read_only_supported(self, device: int) -> bool:
+        """Whether cudaHostRegisterReadOnly may be tried. Without libcudart we could not clear a refusal's
+        error: then never try (local mode stages instead)."""
+        if self._lib is None:
+            return False
+        value = ctypes.c_int(0)
+        attr = CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED
+        if self._lib.cudaDeviceGetAttribute(ctypes.byref(value), attr, device) != 0:
+            self._lib.cudaGetLastError()
+            return False
+        return value.value == 1
+
+
+def _libcudart():
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):  # the one torch loaded is found first
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def clear_error(cudart) -> None:
+    """Take the error a failed runtime call left behind (stand-ins in tests may have no such call)."""
+    clear = getattr(cudart, "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+
+
 class PinnedRegion:
     """cudaHostRegister exactly [ptr, ptr + nbytes): unlike torch's pinned allocator, which rounds every
     block up to a power of two (a 40 GB arena would cost up to 64 GB pinned)."""
 
     def __init__(self, ptr: int, nbytes: int, flags: int = CUDA_HOST_REGISTER_DEFAULT, cudart=None):
-        self._cudart = cudart if cudart is not None else torch.cuda.cudart()
+        self._cudart = cudart if cudart is not None else Runtime()
         self.ptr, self.nbytes, self.flags = ptr, nbytes, flags
         code = int(self._cudart.cudaHostRegister(ptr, nbytes, flags))
         if code != 0:
             self.ptr = None
+            clear_error(self._cudart)  # else the next kernel launch reports it, far from here
             raise RegistrationError(code, nbytes)
 
     @classmethod
@@ -68,10 +121,17 @@ def group_span(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
     return start, max(s + n for s, n in spans) - start
 
 
-def register_read_only(groups: list[list[torch.Tensor]], cudart=None) -> list[PinnedRegion] | None:
+def register_read_only(
+    groups: list[list[torch.Tensor]], cudart=None, device: int = 0
+) -> list[PinnedRegion] | None:
     """Register, read-only, the pages under each group of tensors (each group: views of one read-only
-    map), or return None if the driver refuses any of it (then nothing stays registered). A span never
-    runs past its map: a view's last byte lies in the map's last page, and mappings are whole pages."""
+    map), or return None if the device does not support it or the driver refuses any of it (then nothing
+    stays registered, and no error is left pending). A span never runs past its map: a view's last byte
+    lies in the map's last page, and mappings are whole pages."""
+    cudart = cudart if cudart is not None else Runtime()
+    supported = getattr(cudart, "read_only_supported", None)
+    if supported is not None and not supported(device):
+        return None
     regions: list[PinnedRegion] = []
     try:
         for span in filter(None, map(group_span, groups)):

@@ -9,6 +9,7 @@ pass loop never waits for the device to learn who is active.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -56,6 +57,18 @@ class World:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.main_group)
+
+    def wait_for_ranks(self, timeout_s: float, what: str) -> None:
+        """A barrier with its own deadline (start-up work such as loading takes far longer than any pass):
+        gloo's monitored barrier, on the host exchange group, names the ranks that did not arrive."""
+        if not self.distributed:
+            return
+        try:
+            dist.monitored_barrier(group=self.exchange_group, timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"ranks did not finish {what} within --load-timeout-s {timeout_s:g}: {exc}"
+            ) from exc
 
     def all_gather_object(self, obj) -> list:
         if not self.distributed:
@@ -112,6 +125,19 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def connections_warning(env: dict | None = None) -> str | None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (set for Megatron's tensor parallelism, common in NeMo images) puts
+    every stream on one hardware queue: the layer copies and gathers would wait behind compute instead of
+    overlapping it."""
+    env = os.environ if env is None else env
+    if env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return (
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 serializes all CUDA streams: layer fetches cannot overlap compute "
+            "(unset it for this job, or set 8 or more)"
+        )
+    return None
+
+
 def init_world(device_choice: str, timeout_s: float) -> World:
     """From torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); a plain process is a world of one."""
     # First: the allocator and NCCL read these when they start (pick_device below initializes CUDA).
@@ -121,6 +147,8 @@ def init_world(device_choice: str, timeout_s: float) -> World:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local_rank)
+    if device.type == "cuda" and rank == 0 and (warning := connections_warning()):
+        logging.getLogger("cosmos3_batch").warning(warning)
     if world_size == 1:
         return World(device=device)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -218,7 +218,11 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
         tokenizer=plan.tokenizer,
         fp8_compute=cfg.fp8_compute,
     )
+    # Loading has no collective; the first ones after it (the layout digest, the shard reads' end) wait with
+    # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
+    world.wait_for_ranks(cfg.load_timeout_s, "loading")
     weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
+    world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))

@@ -60,3 +60,20 @@ def test_a_failed_request_under_the_launcher_is_exit_1_on_every_rank(tmp_path, t
     assert_no_traceback_and_no_error_file(output, logs)
     summary = json.loads((out / "summary.json").read_text())
     assert [f["id"] for f in summary["failed"]] == ["r1"] and summary["generated_ok"] == 3
+
+
+def test_a_slow_load_on_one_rank_waits_for_load_timeout_not_the_collective_timeout(tmp_path, tiny_ckpt):
+    """Rank 1 takes 8 s longer to load than rank 0 and the collective timeout is 3 s: the ranks meet in the
+    load barrier (--load-timeout-s 120), so the first collectives after loading do not time out."""
+    rows = [{"id": "a", "prompt": "x", "size": "32x32", "num_frames": 1, "num_inference_steps": 1}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    args = ["run", prompts, "--model", tiny_ckpt, "--out", tmp_path / "out", "--no-progress"]
+    args += ["--collective-timeout-s", "3", "--load-timeout-s", "120"]
+    folder = tmp_path / "launch"
+    folder.mkdir()
+    (folder / "jobs.json").write_text(json.dumps([[str(a) for a in args]]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "tests.dist.slow_load_worker", "8", str(folder / "jobs.json"), str(folder / "codes.json")]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((folder / "codes.json").read_text()) == [0]

@@ -86,8 +86,10 @@ class FakeCuda:
         self.current = self.compute
         return self.compute
 
-    def Stream(self, device):
-        return self._Stream(self, next(self._names))
+    def Stream(self, device, priority=0):
+        stream = self._Stream(self, next(self._names))
+        stream.priority = priority
+        return stream
 
     def Event(self, enable_timing=False):
         return self._Event(self, enable_timing)
@@ -199,6 +201,23 @@ def test_each_fetch_is_fenced_on_the_streams(tmp_path, monkeypatch):
         )
         used = next(i for i in range(ready, len(log)) if log[i] == ("wait", "compute", log[ready][2]))
         assert copy < copied < waited < gathered < ready < used < log.index(("compute", index))
+
+
+def test_copy_and_comm_streams_have_high_priority(tmp_path, monkeypatch):
+    """Compute waits for them: under load their kernels must go first (a decode shares the device)."""
+    engine, _ = make_engine(tmp_path, monkeypatch)
+    backend = engine.backend
+    assert (backend.copy_stream.priority, backend.comm_stream.priority) == (cuda_backend.HIGH_PRIORITY,) * 2
+    assert cuda_backend.HIGH_PRIORITY < 0  # CUDA: lower numbers are higher priorities
+
+
+def test_one_device_connection_is_warned_about():
+    from cosmos3_batch.parallel.world import connections_warning
+
+    assert "serializes all CUDA streams" in connections_warning({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert (
+        connections_warning({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None and connections_warning({}) is None
+    )
 
 
 def test_no_gen_fetch_waits_on_a_und_compute(tmp_path, monkeypatch):

@@ -25,12 +25,13 @@ MIXED = [spec("a", F32, 7), spec("b", F16, 5), spec("c", F32, 3), spec("d", F16,
 
 
 @pytest.mark.parametrize(
-    ("world", "total", "shard"), [(1, 512, 512), (2, 512, 256), (3, 768, 256), (4, 1024, 256)]
+    ("world", "total", "shard"), [(1, 1024, 1024), (2, 1024, 512), (3, 1536, 512), (4, 1024, 256)]
 )
 def test_sizes_not_divisible_by_world(world: int, total: int, shard: int) -> None:
     layout = build_part_layout("0.gen", MIXED, world)
-    # f32 group: a at 0 (28 B), c at 28 (12 B); f16 group starts at the next ALIGN: b at 256 (10 B), d at 266.
-    assert [(p.spec.name, p.offset) for p in layout.params] == [("a", 0), ("c", 28), ("b", 256), ("d", 266)]
+    # f32 group: a at 0 (28 B), c at the next ALIGN (12 B); then the f16 group: b (10 B), d (4 B), each on
+    # an ALIGN boundary; 772 bytes, padded to a multiple of world x ALIGN.
+    assert [(p.spec.name, p.offset) for p in layout.params] == [("a", 0), ("c", 256), ("b", 512), ("d", 768)]
     assert (layout.nbytes, layout.shard_bytes, layout.payload_bytes) == (total, shard, 28 + 12 + 10 + 4)
     assert layout.nbytes % (world * ALIGN) == 0 and layout.shard_bytes * world == layout.nbytes
     assert [layout.shard_range(r) for r in range(world)] == [
@@ -44,17 +45,19 @@ def test_mixed_dtypes_offsets_are_aligned() -> None:
     assert [(p.spec.name, p.offset) for p in layout.params] == [
         ("i", 0),
         ("w", 256),  # after 5 odd bytes of int8
-        ("w2", 268),
-        ("v", 512),
-        ("h", 768),
+        ("w2", 512),  # the same dtype, still on its own ALIGN boundary
+        ("v", 768),
+        ("h", 1024),
     ]
-    assert layout.nbytes == 1024
-    starts = {}
-    for place in layout.params:
-        starts.setdefault(place.spec.dtype, place.offset)
-        assert place.offset % place.spec.dtype.itemsize == 0
-    assert list(starts) == [I8, F32, BF16, F16]  # first-appearance order
-    assert all(offset % ALIGN == 0 for offset in starts.values())
+    assert layout.nbytes == 1536
+    assert [place.spec.dtype for place in layout.params] == [
+        I8,
+        F32,
+        F32,
+        BF16,
+        F16,
+    ]  # first-appearance order
+    assert all(place.offset % ALIGN == 0 for place in layout.params) and ALIGN == 256
 
 
 @pytest.mark.parametrize("shape", [(1,), ()])

@@ -28,17 +28,30 @@ from tests.unit.test_cuda_ordering import FakeCuda
 
 
 class FakeCudart:
-    def __init__(self, refuse_flags: int | None = None):
+    """Answers like the runtime: a refused call leaves its error as the thread's last error until
+    cudaGetLastError takes it (else torch's check after the next kernel launch would raise it)."""
+
+    def __init__(self, refuse_flags: int | None = None, read_only: bool = True):
         self.registered: dict[int, tuple[int, int]] = {}
         self.calls: list[tuple[int, int, int]] = []
         self.refuse_flags = refuse_flags
+        self.read_only = read_only
+        self.pending = 0
 
     def cudaHostRegister(self, ptr, nbytes, flags):
         self.calls.append((ptr, nbytes, flags))
         if flags == self.refuse_flags:
+            self.pending = 801
             return 801  # cudaErrorNotSupported
         self.registered[ptr] = (nbytes, flags)
         return 0
+
+    def cudaGetLastError(self):
+        error, self.pending = self.pending, 0
+        return error
+
+    def read_only_supported(self, device):
+        return self.read_only
 
     def cudaHostUnregister(self, ptr):
         del self.registered[ptr]
@@ -60,7 +73,9 @@ def test_a_refused_registration_leaves_nothing_registered():
     cudart = FakeCudart(refuse_flags=CUDA_HOST_REGISTER_READ_ONLY)
     a, b = torch.empty(3 * PAGE, dtype=torch.uint8), torch.empty(3 * PAGE, dtype=torch.uint8)
     assert register_read_only([[a], [b]], cudart) is None
-    assert cudart.registered == {}
+    assert cudart.registered == {} and cudart.pending == 0  # refused, and no error left for the next launch
+    unsupported = FakeCudart(read_only=False)  # cudaDevAttrHostRegisterReadOnlySupported = 0: not even tried
+    assert register_read_only([[a], [b]], unsupported) is None and unsupported.calls == []
     ok = FakeCudart()
     regions = register_read_only([[a], [b]], ok)
     assert [flags for _, _, flags in ok.calls] == [CUDA_HOST_REGISTER_READ_ONLY] * 2
@@ -77,10 +92,11 @@ def test_pinned_region_registers_exactly_the_tensor():
     assert cudart.calls == [(arena.data_ptr(), arena.numel(), 0)]
     region.close()
     assert cudart.registered == {}
+    refusing = FakeCudart(refuse_flags=0)
     try:
-        PinnedRegion.of_tensor(arena, FakeCudart(refuse_flags=0))
+        PinnedRegion.of_tensor(arena, refusing)
     except RegistrationError as exc:
-        assert exc.code == 801 and "ulimit -l" in str(exc)
+        assert exc.code == 801 and "ulimit -l" in str(exc) and refusing.pending == 0
     else:
         raise AssertionError("a refused registration must raise")
 
