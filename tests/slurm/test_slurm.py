@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,7 @@ def test_requeue_appends_the_log_and_resumes(cluster: Cluster, jobs: dict[str, J
         60.0,
         lambda: f"job {job.id} stuck COMPLETING{job_logs(job)}",
     )
+    past_revocation()
     cluster.run(binary("scontrol"), "update", f"JobId={job.id}", "StartTime=now")
     (task,) = finished(cluster, job)
     assert task["Restarts"] == "1" and task["Requeue"] == "1", task  # Requeue=1: from #SBATCH --requeue
@@ -209,6 +211,16 @@ def test_requeue_appends_the_log_and_resumes(cluster: Cluster, jobs: dict[str, J
     assert summary["failed"] == [] and summary["skipped_complete"] >= 1
     assert summary["generated_ok"] + summary["skipped_complete"] == len(ids)
     assert_done_once(job.out, ids, part_files=1)  # no request generated twice across the two attempts
+
+
+def past_revocation() -> None:
+    """Let the second in which Slurm killed the job's last attempt pass before it may start again.
+
+    A requeue revokes the job's launch credentials on the node, at one-second resolution: slurmd refuses
+    ("Job N already killed, do not launch batch job") a relaunch whose credential was made within that
+    same second, and the job ends FAILED. A user releases a held job minutes later; a test must wait.
+    """
+    time.sleep(1.5)
 
 
 def test_a_full_disk_holds_the_job_until_space_is_freed(cluster: Cluster, jobs: dict[str, Job]) -> None:
@@ -229,6 +241,7 @@ def test_a_full_disk_holds_the_job_until_space_is_freed(cluster: Cluster, jobs: 
         done = [rid for rid in ids if (job.out / f"{rid}.json").exists()]
         assert 0 < len(done) < len(ids), done
         (job.out / "ballast").unlink()  # free space, release: it resumes where it stopped
+        past_revocation()
         cluster.run(binary("scontrol"), "release", job.id)
         cluster.run(binary("scontrol"), "update", f"JobId={job.id}", "StartTime=now")
         (task,) = finished(cluster, job)
