@@ -30,6 +30,12 @@ FP8_COMPUTE_HELP = (
     "between; W8A16 throughout where no FP8 GEMM exists, e.g. CPU); a16: W8A16 (dequantize, then the "
     "linear) on every step."
 )
+DTYPE_HELP = (
+    "The transformer's compute dtype. checkpoint (default): the dtype it stores (bf16 for NVIDIA's "
+    "releases); bfloat16 / float32: cast on load. Outputs equal diffusers' "
+    "Cosmos3OmniPipeline.from_pretrained(path, dtype={'transformer': D, 'vae': V}) (docs/running.md)."
+)
+VAE_DTYPE_HELP = "The VAE's compute dtype, likewise (checkpoint, bfloat16 or float32)."
 LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V kept until a slot frees)."
 SP_HELP = (
     "Sequence parallelism: groups of S consecutive ranks share each request, its GEN tokens split over "
@@ -122,6 +128,8 @@ def run(
         ),
     ] = None,
     fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "checkpoint",
+    vae_dtype: Annotated[str, typer.Option(help=VAE_DTYPE_HELP)] = "checkpoint",
     sp: Annotated[int, typer.Option("--sp", help=SP_HELP)] = 1,
     samples_per_prompt: Annotated[int, typer.Option(help=SAMPLES_HELP)] = 1,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
@@ -157,6 +165,8 @@ def run(
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
             batch_branches=batch_branches,
             fp8_compute=fp8_compute,
+            dtype=dtype,
+            vae_dtype=vae_dtype,
             sp=sp,
             samples_per_prompt=samples_per_prompt,
             prompt_column=prompt_column,
@@ -209,6 +219,9 @@ def plan(
     prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = RULE.lookahead,
     sp: Annotated[int, typer.Option("--sp", help="As `run --sp`: plan groups of S ranks per request.")] = 1,
     samples_per_prompt: Annotated[int, typer.Option(help="As `run --samples-per-prompt`.")] = 1,
+    dtype: Annotated[
+        str, typer.Option(help="As `run --dtype`: the bytes moved and held per rank.")
+    ] = "checkpoint",
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
 ) -> None:
@@ -230,7 +243,7 @@ def plan(
             )
         doc, text = planner.plan_job(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
-            samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin,
+            samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

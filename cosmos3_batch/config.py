@@ -12,6 +12,7 @@ from cosmos3_batch.requests.fields import MAX_SAMPLES
 
 DEVICES = ("auto", "cpu", "cuda")
 FP8_COMPUTE = ("checkpoint", "a16")  # model/fp8.py COMPUTE_MODES (not imported: config stays torch-light)
+DTYPES = ("checkpoint", "bfloat16", "float32")  # model/dtypes.py DTYPE_CHOICES, likewise
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,8 @@ class RunConfig:
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
     load_timeout_s: float = 3600.0  # ranks wait this long for each other to finish loading (cold shard reads)
     fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always
+    dtype: str = "checkpoint"  # the transformer's compute dtype (model/dtypes.py): as stored, or a cast
+    vae_dtype: str = "checkpoint"  # the VAE's, likewise
     # When the world fetches the UND halves (DESIGN.md §4, plan/prefill.py).
     prefill: PrefillRule = field(default_factory=PrefillRule)
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
@@ -68,6 +71,9 @@ class RunConfig:
             raise ValueError(
                 f"--fp8-compute must be one of {', '.join(FP8_COMPUTE)}, got {self.fp8_compute!r}"
             )
+        for flag, value in (("--dtype", self.dtype), ("--vae-dtype", self.vae_dtype)):
+            if value not in DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
         if not self.prompts:
             raise ValueError("PROMPTS: name at least one request file (or - for standard input)")
         if not 1 <= self.samples_per_prompt <= MAX_SAMPLES:

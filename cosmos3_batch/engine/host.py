@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from cosmos3_batch.checkpoint.reader import DTYPES, CheckpointFileError, SafetensorsFile, TensorStore
-from cosmos3_batch.engine.layout import PartLayout
+from cosmos3_batch.engine.layout import ParamSpec, PartLayout
 
 __all__ = [
     "DTYPES",
@@ -51,7 +51,7 @@ class HostShards:
             lo, _ = part.shard_range(rank)
             for place, start, stop in part.pieces_for_rank(rank):
                 dst = base + place.offset + start - lo
-                self.arena[dst : dst + stop - start].copy_(store.byte_view(place.spec.name)[start:stop])
+                self.arena[dst : dst + stop - start].copy_(_stored_bytes(store, place.spec, start, stop))
         if device is not None and device.type != "cpu":
             self.arena = self.arena.to(device)  # `sharded` mode: shards live on the device
         self._sizes = [part.shard_bytes for part in layouts]
@@ -59,6 +59,20 @@ class HostShards:
     def shard(self, index: int) -> torch.Tensor:
         base = self.offsets[index]
         return self.arena[base : base + self._sizes[index]]
+
+
+def _stored_bytes(store: TensorStore, spec: ParamSpec, start: int, stop: int) -> torch.Tensor:
+    """Bytes [start, stop) of parameter `spec` in its layout dtype: the stored bytes, or (`--dtype`) the
+    stored elements they hold, cast. Piece bounds are ALIGN-aligned (or the parameter's end), so they
+    fall on element boundaries in either dtype; only this rank's elements are read and cast."""
+    stored = store.info(spec.name)[0]
+    raw = store.byte_view(spec.name)
+    if stored == spec.dtype:
+        return raw[start:stop]
+    size, item = stored.itemsize, spec.dtype.itemsize
+    assert start % item == 0 and stop % item == 0, (spec.name, start, stop)
+    elements = raw[start // item * size : stop // item * size].clone()  # clone: an aligned buffer to view
+    return elements.view(stored).to(spec.dtype).view(torch.uint8)
 
 
 class LocalPiece(NamedTuple):

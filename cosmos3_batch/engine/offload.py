@@ -11,7 +11,7 @@ flight), times from the backend (wall clock on CPU, CUDA events on the GPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +42,18 @@ class OffloadConfig:
     # pass's prefetch in flight (issued on every rank, so it completes); after a peer died, the survivor
     # must exit within --collective-timeout-s + 30 s.
     close_timeout_s: float = 10.0
+    # The dtype each parameter computes in, from its checkpoint name and stored dtype (None: as stored). The
+    # host shards are cast while they are read, so every fetch moves the compute dtype's bytes.
+    cast: Callable[[str, torch.dtype], torch.dtype] | None = None
 
     def __post_init__(self) -> None:
         if self.mode is OffloadMode.RESIDENT:
             raise ValueError("resident mode needs no offload engine")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+
+    def dtype_of(self, name: str, stored: torch.dtype) -> torch.dtype:
+        return stored if self.cast is None else self.cast(name, stored)
 
 
 class LayoutMismatch(RuntimeError):
@@ -71,16 +77,24 @@ class LayerOffload:
         for binding in bindings:
             for module, leaf, name in binding.params:
                 store.check(name, None, tuple(getattr(module, leaf).shape))
+
+        def infos(binding: PartBinding):
+            return [(name, store.info(name)) for _, _, name in binding.params]
+
         self.layouts = [
             build_part_layout(
                 b.key,
-                [ParamSpec(name, *store.info(name)) for _, _, name in b.params],
+                [ParamSpec(name, config.dtype_of(name, dtype), shape) for name, (dtype, shape) in infos(b)],
                 config.world_size,
                 config.align,
             )
             for b in bindings
         ]
         self.digest = layout_digest(self.layouts)
+        if config.mode is OffloadMode.LOCAL and any(
+            p.spec.dtype != store.info(p.spec.name)[0] for layout in self.layouts for p in layout.params
+        ):
+            raise ValueError("local mode streams the stored bytes: it cannot cast them to another dtype")
         self._verify_digest()
         source = FetchSource(config.mode, self.layouts, config.rank, config.world_size, group)
         if config.mode is OffloadMode.LOCAL:

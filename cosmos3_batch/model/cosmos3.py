@@ -96,7 +96,8 @@ class Cosmos3Split:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.embed_tokens.weight.dtype
+        """The compute dtype (`--dtype`, set by model/loading.py); the token table keeps the stored one."""
+        return getattr(self.transformer, "compute_dtype", self.transformer.embed_tokens.weight.dtype)
 
     # ---- embed -------------------------------------------------------------------------------------
 
@@ -105,8 +106,8 @@ class Cosmos3Split:
         table = self.transformer.embed_tokens
         rows = getattr(table, "row_reader", None)  # set by loading: pread, never loads from the map
         if rows is not None:
-            return rows(input_ids.cpu()).to(device)
-        return table(input_ids.to(table.weight.device)).to(device)
+            return rows(input_ids.cpu()).to(device=device, dtype=self.dtype)
+        return table(input_ids.to(table.weight.device)).to(device=device, dtype=self.dtype)
 
     def rotary(self, position_ids: torch.Tensor, und_len: int, device: torch.device) -> tuple[Rotary, Rotary]:
         """cos/sin for the UND prefix and the GEN tokens; fixed per branch, so computed once."""

@@ -15,8 +15,10 @@ import torch
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
 from cosmos3_batch.checkpoint.fp8_format import quantization_config
 from cosmos3_batch.checkpoint.reader import CheckpointFileError, TensorStore
+from cosmos3_batch.model.dtypes import DtypeRule, apply_rule, rule_for, stored_dtype
 from cosmos3_batch.model.fp8 import Fp8Compute, install_fp8, make_compute
 
+EMBED = "embed_tokens.weight"
 NEVER_LOADED = ("lm_head.",)  # generation never reads the LM head (vocab x hidden: ~1.2 GB in Nano)
 # Only ever read, on the host (a lookup of a few hundred ids per prompt): a view of the node-shared page
 # cache, not a private copy in every rank (1.2 GB per rank in Nano, ~10 GB per 8-GPU node).
@@ -84,13 +86,35 @@ def rebuild_rotary(transformer: torch.nn.Module) -> None:
     )
 
 
+def transformer_rule(ckpt: Checkpoint, dtype: str = "checkpoint") -> DtypeRule:
+    """The transformer's `--dtype` rule (model/dtypes.py), from the headers; ValueError for FP8 + a cast."""
+    from diffusers import Cosmos3OmniTransformer
+
+    store = ckpt.store("transformer")
+    stored = stored_dtype([store.info(name) for name in store.names()])
+    return rule_for(Cosmos3OmniTransformer, dtype, stored, fp8=_quantization(ckpt) is not None)
+
+
+def vae_rule(ckpt: Checkpoint, dtype: str = "checkpoint") -> DtypeRule:
+    from diffusers import AutoencoderKLWan
+
+    store = ckpt.store("vae")
+    return rule_for(AutoencoderKLWan, dtype, stored_dtype([store.info(name) for name in store.names()]))
+
+
 def load_transformer(
-    ckpt: Checkpoint, device: torch.device, with_layers: bool = True, fp8_compute: str = "checkpoint"
+    ckpt: Checkpoint,
+    device: torch.device,
+    with_layers: bool = True,
+    fp8_compute: str = "checkpoint",
+    dtype: str = "checkpoint",
 ):
-    """The transformer with all non-layer weights loaded; layers too unless the engine will place them.
-    An FP8 checkpoint keeps its e4m3 weights (and their scales) as stored; `fp8_compute` picks the math."""
+    """The transformer with all non-layer weights loaded; layers too unless the engine will place them
+    (it casts them by the same rule: `transformer_rule`). An FP8 checkpoint keeps its e4m3 weights (and
+    their scales) as stored; `fp8_compute` picks the math. `dtype`: `--dtype` (model/dtypes.py)."""
     config = ckpt.config("transformer")
     store = ckpt.store("transformer")
+    rule = transformer_rule(ckpt, dtype)
     qc = _quantization(ckpt)
     compute = make_compute(qc, fp8_compute, device) if qc is not None else None
     model = build_transformer_on_meta(config, store, compute)
@@ -109,16 +133,20 @@ def load_transformer(
                 sub = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
                 fill_module(child, sub, where)
     rebuild_rotary(model)
-    # As diffusers' from_pretrained(torch_dtype=...) does: these modules run in float32 whatever the
-    # checkpoint stores (the time embedding loses too much in bf16).
-    for name in type(model)._keep_in_fp32_modules or ():
-        getattr(model, name).float()
+    _place_own_parameters(model, tensors, where)
+    # As diffusers' from_pretrained(dtype=...) does: every weight in the compute dtype, the time embedding
+    # (`_keep_in_fp32_modules`) in float32 whatever the checkpoint stores. The token table stays as stored,
+    # a shared view of the map: the rows a lookup reads are cast instead (the same values).
+    skip = ("embed_tokens.",) if with_layers else ("embed_tokens.", "layers.")
+    apply_rule(model, rule, skip=skip)
+    model.compute_dtype = rule(EMBED, store.info(EMBED)[0])  # Cosmos3Split.dtype
     model.eval().requires_grad_(False)
     # embed_tokens stays on the host (lookups of a few hundred ids); everything else goes to the device.
     for name, child in model.named_children():
         if name not in ("embed_tokens", "layers") or (name == "layers" and with_layers):
             child.to(device)
-    _place_own_parameters(model, tensors, where, device)
+    for name, param in list(model.named_parameters(recurse=False)):
+        setattr(model, name, torch.nn.Parameter(param.to(device), requires_grad=False))
     _read_rows_by_pread(model, store, tensors)
     return model
 
@@ -126,19 +154,18 @@ def load_transformer(
 def _read_rows_by_pread(model: torch.nn.Module, store: TensorStore, tensors: dict) -> None:
     """Token lookups read the stored rows with pread (checkpoint/reader.py RowReader), so that a checkpoint
     truncated under the job cannot turn a lookup into a SIGBUS; only where the table is the stored one."""
-    key, table = "embed_tokens.weight", model.embed_tokens.weight
-    if key in tensors and (table.dtype, tuple(table.shape)) == store.info(key):
-        model.embed_tokens.row_reader = store.row_reader(key)
+    table = model.embed_tokens.weight
+    if EMBED in tensors and (table.dtype, tuple(table.shape)) == store.info(EMBED):
+        model.embed_tokens.row_reader = store.row_reader(EMBED)
 
 
-def _place_own_parameters(model: torch.nn.Module, tensors: dict, where: str, device: torch.device) -> None:
+def _place_own_parameters(model: torch.nn.Module, tensors: dict, where: str) -> None:
     """Parameters the transformer holds itself rather than in a child module (the sound/action modality
-    embeds): the per-child loading above does not see them."""
-    for name, param in list(model.named_parameters(recurse=False)):
+    embeds), as stored: the per-child loading above does not see them."""
+    for name, _ in list(model.named_parameters(recurse=False)):
         if name not in tensors:
             raise CheckpointError(f"{where}: tensors missing from the checkpoint: {name}")
-        value = tensors[name].to(device=device, dtype=param.dtype)
-        setattr(model, name, torch.nn.Parameter(value, requires_grad=False))
+        setattr(model, name, torch.nn.Parameter(tensors[name], requires_grad=False))
 
 
 def validate_checkpoint(ckpt: Checkpoint) -> None:
@@ -169,13 +196,15 @@ def _quantization(ckpt: Checkpoint) -> dict | None:
         raise CheckpointError(str(exc)) from exc
 
 
-def load_vae(ckpt: Checkpoint, device: torch.device):
+def load_vae(ckpt: Checkpoint, device: torch.device, dtype: str = "checkpoint"):
+    """The VAE, its weights cast by `--vae-dtype` (model/dtypes.py) as diffusers' from_pretrained would."""
     from diffusers import AutoencoderKLWan
 
     with torch.device("meta"):
         vae = AutoencoderKLWan.from_config(ckpt.config("vae"))
     tensors = load_tensors(ckpt.store("vae"), lambda name: True)
     fill_module(vae, tensors, str(ckpt.root / "vae"))
+    apply_rule(vae, vae_rule(ckpt, dtype))
     return vae.eval().requires_grad_(False).to(device)
 
 

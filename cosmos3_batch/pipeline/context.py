@@ -56,10 +56,15 @@ def load_context(
     vae_tiling: bool = False,
     tokenizer=None,
     fp8_compute: str = "checkpoint",
+    dtype: str = "checkpoint",
+    vae_dtype: str = "checkpoint",
 ) -> ModelContext:
+    """`dtype`/`vae_dtype`: `--dtype`/`--vae-dtype` (model/dtypes.py)."""
     checkpoint = Checkpoint.open(model_dir)
-    transformer = load_transformer(checkpoint, device, with_layers=with_layers, fp8_compute=fp8_compute)
-    vae = load_vae(checkpoint, device)
+    transformer = load_transformer(
+        checkpoint, device, with_layers=with_layers, fp8_compute=fp8_compute, dtype=dtype
+    )
+    vae = load_vae(checkpoint, device, vae_dtype)
     if vae_tiling:
         vae.enable_tiling()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(checkpoint)

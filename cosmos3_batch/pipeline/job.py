@@ -26,7 +26,7 @@ from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import MetricsWriter, state_dir, write_passes
 from cosmos3_batch.io.space import check_room, disk_errno, output_bytes
 from cosmos3_batch.model.limits import limits_for
-from cosmos3_batch.model.loading import validate_checkpoint
+from cosmos3_batch.model.loading import transformer_rule, validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
 from cosmos3_batch.parallel.exit_codes import ExitCode, exit_as_one
@@ -34,6 +34,7 @@ from cosmos3_batch.parallel.seq_group import build_seq_group
 from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
 from cosmos3_batch.parallel.world import World, init_world, teardown
 from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
 from cosmos3_batch.pipeline.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job_plan import Plan
 from cosmos3_batch.pipeline.results import ResultWriter, output_key
@@ -99,6 +100,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     try:  # --sp must fit the model's heads (named first: the fix is in the model) and the ranks
         check_model(cfg.sp, checkpoint.config("transformer"))
         check_world(cfg.sp, world_size)
+        check_dtypes(cfg, checkpoint)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
@@ -124,10 +126,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     if cfg.shard is not None:
         requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
     todo, complete = [], []
-    identity = checkpoint.identity()
-    if checkpoint.config("transformer").get("quantization_config"):
-        # FP8: the compute policy decides the bytes too (W8A8 steps on GPUs), so it is part of the model.
-        identity = f"{identity}+fp8-{cfg.fp8_compute}"
+    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
     for r in requests:
         paths = outputs.paths_for(cfg.out, r.id, r.num_frames)
         key = output_key(r, identity, cfg.vae_tiling)
@@ -217,11 +216,15 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
         vae_tiling=cfg.vae_tiling,
         tokenizer=plan.tokenizer,
         fp8_compute=cfg.fp8_compute,
+        dtype=cfg.dtype,
+        vae_dtype=cfg.vae_dtype,
     )
     # Loading has no collective; the first ones after it (the layout digest, the shard reads' end) wait with
     # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
     world.wait_for_ranks(cfg.load_timeout_s, "loading")
-    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world)
+    weights = build_weights(
+        ctx.layers, checkpoint, cfg.offload, world, transformer_rule(checkpoint, cfg.dtype)
+    )
     world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main

@@ -8,6 +8,7 @@ from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
 from cosmos3_batch.engine.transport import Counters, OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND, layer_parts, part_index
+from cosmos3_batch.model.dtypes import DtypeRule
 from cosmos3_batch.model.fp8 import Fp8Compute
 from cosmos3_batch.parallel.world import World
 
@@ -84,12 +85,22 @@ def weights_report(fp8: Fp8Compute | None, calls: bool = False) -> dict:
     return report
 
 
-def build_weights(layers: torch.nn.ModuleList, checkpoint: Checkpoint, mode: OffloadMode, world: World):
+def build_weights(
+    layers: torch.nn.ModuleList,
+    checkpoint: Checkpoint,
+    mode: OffloadMode,
+    world: World,
+    cast: DtypeRule | None = None,
+):
+    """`cast`: the `--dtype` rule (model/loading.py transformer_rule): the engine casts the shards it reads
+    by it, as loading casts resident weights."""
     if mode is OffloadMode.RESIDENT:
         return ResidentWeights(layers)
     bindings = [
         PartBinding(key, tuple(params), lane=key.rsplit(".", 1)[1]) for key, params in layer_parts(layers)
     ]
-    config = OffloadConfig(mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=LANE_SLOTS)
+    config = OffloadConfig(
+        mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=LANE_SLOTS, cast=cast
+    )
     engine = LayerOffload(bindings, checkpoint.store("transformer"), config, world.device, world.gather_group)
     return OffloadedWeights(engine, layers)

@@ -21,7 +21,8 @@ from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
 from cosmos3_batch.engine.offload import slot_sizes
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND, layer_parts
-from cosmos3_batch.model.loading import build_transformer_on_meta
+from cosmos3_batch.model.dtypes import resolve_dtype
+from cosmos3_batch.model.loading import build_transformer_on_meta, transformer_rule
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
 from cosmos3_batch.plan.estimate import Estimate
@@ -62,15 +63,20 @@ class ModelShape:
     vae_bytes: int
 
 
-def model_shape(checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.dtype) -> ModelShape:
-    """From config.json, with each tensor's dtype from the safetensors headers when the files exist."""
+def model_shape(
+    checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.dtype, dtype: str = "checkpoint"
+) -> ModelShape:
+    """From config.json, with each tensor's dtype from the safetensors headers when the files exist, cast by
+    `dtype` (`--dtype`, model/dtypes.py) as the run casts it."""
     cfg = checkpoint.config("transformer")
     try:
         store = checkpoint.store("transformer")
-        dtype_of = lambda name: store.info(name)[0]  # noqa: E731
+        rule = transformer_rule(checkpoint, dtype)
+        dtype_of = lambda name: rule(name, store.info(name)[0])  # noqa: E731
     except (ValueError, CheckpointFileError):
         store = None
-        dtype_of = lambda name: fallback_dtype  # noqa: E731 (a config-only folder: plan a download)
+        cast = resolve_dtype(dtype, fallback_dtype)
+        dtype_of = lambda name: cast  # noqa: E731 (a config-only folder: plan a download)
     model = build_transformer_on_meta(
         cfg, store
     )  # FP8: e4m3 weights and their scales, as the engine lays out
@@ -93,7 +99,7 @@ def model_shape(checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.d
         heads=cfg["num_attention_heads"],
         kv_heads=cfg["num_key_value_heads"],
         head_dim=cfg["head_dim"],
-        act_bytes=dtype_of("embed_tokens.weight").itemsize,
+        act_bytes=dtype_of("embed_tokens.weight").itemsize,  # the compute dtype (Cosmos3Split.dtype)
         parts=parts,
         host_resident_bytes=host,
         device_resident_bytes=sum(nbytes.values()) - host,
@@ -305,6 +311,7 @@ def plan_job(
     samples: int = 1,
     columns: Columns = ALL_NAMED,
     stdin: bytes | None = None,
+    dtype: str = "checkpoint",
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id."""
@@ -351,7 +358,7 @@ def plan_job(
     )
     text = [f"{len(requests)} valid requests on {where}; work in GEN-token x steps x branches"]
     text.append(describe_schedule(assignment))
-    shape = model_shape(checkpoint, nproc, torch.bfloat16) if checkpoint is not None else None
+    shape = model_shape(checkpoint, nproc, torch.bfloat16, dtype) if checkpoint is not None else None
     sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
     doc["simulation"] = sim.to_dict()
     text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]

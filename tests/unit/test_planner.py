@@ -10,6 +10,7 @@ import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.engine.transport import OffloadMode
+from cosmos3_batch.model.loading import transformer_rule
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.weights import build_weights
@@ -90,11 +91,13 @@ def test_warns_when_it_cannot_fit(nano_config_only):  # and says which flag to c
     assert any("--device-gib" in w and "--offload allgather" in w for w in est.warnings)
 
 
-def test_slot_size_equals_the_engines(tiny_ckpt):
+@pytest.mark.parametrize("dtype", ["checkpoint", "bfloat16"])  # --dtype bfloat16: half the float32 bytes
+def test_slot_size_equals_the_engines(tiny_ckpt, dtype):
     ckpt = Checkpoint.open(tiny_ckpt)
-    ctx = load_context(tiny_ckpt, torch.device("cpu"), with_layers=False)
-    weights = build_weights(ctx.layers, ckpt, OffloadMode.ALLGATHER, World())
-    shape = planner.model_shape(ckpt, world_size=1, fallback_dtype=torch.bfloat16)
+    ctx = load_context(tiny_ckpt, torch.device("cpu"), with_layers=False, dtype=dtype)
+    weights = build_weights(ctx.layers, ckpt, OffloadMode.ALLGATHER, World(), transformer_rule(ckpt, dtype))
+    shape = planner.model_shape(ckpt, world_size=1, fallback_dtype=torch.bfloat16, dtype=dtype)
+    assert shape.act_bytes == (2 if dtype == "bfloat16" else 4)
     (request,), _ = parse_lines([b'{"id": "i", "prompt": "x", "num_frames": 1, "size": "32x32"}'])
     est = planner.estimate(shape, [request], {"i": 100}, 1, 1, OffloadMode.ALLGATHER, 1, planner.Hardware())
     assert [s.numel() for s in weights.engine.slots] == [
