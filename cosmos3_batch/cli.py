@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 
 app = typer.Typer(
     add_completion=False,
@@ -29,6 +30,11 @@ FP8_COMPUTE_HELP = (
     "FP8 checkpoints only. checkpoint: the checkpoint's step policy (W8A16 on its first/last steps, W8A8 "
     "between; W8A16 throughout where no FP8 GEMM exists, e.g. CPU); a16: W8A16 (dequantize, then the "
     "linear) on every step."
+)
+MAX_BATCH_ROWS_HELP = (
+    "With --batch-branches: at most this many rows (tokens x branches) in one batched layer call; a "
+    "rank's branches are split into consecutive groups under it (a longer sequence runs alone). Bounds the "
+    "transient device memory: `plan` counts one group."
 )
 DTYPE_HELP = (
     "The transformer's compute dtype. checkpoint (default): the dtype it stores (bf16 for NVIDIA's "
@@ -127,6 +133,7 @@ def run(
             "GPUs; off on CPU, where only one branch at a time is bit-exact with the reference).",
         ),
     ] = None,
+    max_batch_rows: Annotated[int, typer.Option(help=MAX_BATCH_ROWS_HELP)] = MAX_BATCH_ROWS,
     fp8_compute: Annotated[str, typer.Option(help=FP8_COMPUTE_HELP)] = "checkpoint",
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "checkpoint",
     vae_dtype: Annotated[str, typer.Option(help=VAE_DTYPE_HELP)] = "checkpoint",
@@ -164,6 +171,7 @@ def run(
             shard=shard,
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
             batch_branches=batch_branches,
+            max_batch_rows=max_batch_rows,
             fp8_compute=fp8_compute,
             dtype=dtype,
             vae_dtype=vae_dtype,
@@ -222,6 +230,13 @@ def plan(
     dtype: Annotated[
         str, typer.Option(help="As `run --dtype`: the bytes moved and held per rank.")
     ] = "checkpoint",
+    vae_dtype: Annotated[str, typer.Option(help="As `run --vae-dtype`: the decode's bytes.")] = "checkpoint",
+    max_batch_rows: Annotated[
+        int, typer.Option(help="As `run --max-batch-rows`: the transient of one batched call.")
+    ] = MAX_BATCH_ROWS,
+    vae_tiling: Annotated[
+        bool, typer.Option(help="As `run --vae-tiling`: the decode's peak, tiled.")
+    ] = False,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
 ) -> None:
@@ -244,6 +259,7 @@ def plan(
         doc, text = planner.plan_job(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
+            vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

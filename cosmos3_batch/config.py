@@ -8,6 +8,7 @@ from pathlib import Path
 from cosmos3_batch.checkpoint.hub import ModelSource, resolve_model
 from cosmos3_batch.engine.transport import OffloadMode, parse_offload
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.requests.fields import MAX_SAMPLES
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -44,6 +45,7 @@ class RunConfig:
     # When the world fetches the UND halves (DESIGN.md §4, plan/prefill.py).
     prefill: PrefillRule = field(default_factory=PrefillRule)
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
+    max_batch_rows: int = MAX_BATCH_ROWS  # rows per batched group (a longer sequence still runs whole)
     sp: int = 1  # sequence-parallel group size (DESIGN.md §11): each request's GEN tokens over S ranks
     samples_per_prompt: int = 1  # requests naming no "samples" fan out into this many (DESIGN.md §13)
     prompt_column: str | None = None  # table inputs: the column holding the prompt / the id
@@ -59,6 +61,8 @@ class RunConfig:
             raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
         if self.sp < 1:
             raise ValueError(f"--sp must be >= 1, got {self.sp}")
+        if self.max_batch_rows < 1:
+            raise ValueError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
         if self.max_vision_tokens < 1:
             raise ValueError(f"--max-vision-tokens must be >= 1, got {self.max_vision_tokens}")
         if self.collective_timeout_s <= 0:

@@ -33,6 +33,7 @@ MODULE_SECONDS = {
     "tests/unit/test_fidelity.py": 50,
     "tests/unit/test_inputs.py": 40,
     "tests/unit/test_fp8_fidelity.py": 30,
+    "tests/unit/test_dtypes.py": 45,
 }
 
 

@@ -257,6 +257,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
         batch_branches=cfg.batch_branches,
         sp=seq_group,
         watch=watch.changed,
+        max_batch_rows=cfg.max_batch_rows,
     )
     _drive(cfg, world, runner, mine, writer, bar, stop)
     gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)

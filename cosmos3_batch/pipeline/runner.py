@@ -136,6 +136,7 @@ class PassRunner:
         batch_branches: bool | None = None,
         sp: SeqGroup | None = None,
         watch: Callable[[], str | None] | None = None,
+        max_batch_rows: int | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -163,7 +164,8 @@ class PassRunner:
         self.leads = sp is None or sp.leads
         if sp is not None:
             sp.note = self.sync.note
-        self._apply = PartApplier(ctx.split, batch_branches, strict=sp is not None)
+        # --max-batch-rows: a batched group's transient (MLP gate/up/product above all) grows with its rows.
+        self._apply = PartApplier(ctx.split, batch_branches, max_batch_rows, strict=sp is not None)
         self.totals = Counters()
         self.started = time.perf_counter()  # the timeline's zero
         self.timeline: list[PassRecord] = []  # one small record per pass, for the run report

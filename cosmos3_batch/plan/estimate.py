@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -28,6 +28,10 @@ class Estimate:
     sp: int = 1  # --sp: ranks per sequence-parallel group
     all_to_all_bytes_per_pass: int = 0  # sent by one rank (--sp)
     all_to_all_s_per_pass: float = 0.0  # included in seconds_per_pass (on the compute stream, not overlapped)
+    # Integer bytes per rank that sum to device_bytes_per_rank (docs/scale.md, "Device memory"): slots,
+    # layer_weights, resident_weights, activations, batched_transient, vae_decode, runtime_overhead.
+    device_breakdown: dict[str, int] = field(default_factory=dict)
+    vae_tiling: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,17 +16,17 @@ import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.checkpoint.hub import resolve_model
-from cosmos3_batch.checkpoint.reader import CheckpointFileError
-from cosmos3_batch.engine.layout import ParamSpec, PartLayout, build_part_layout
+from cosmos3_batch.engine.layout import PartLayout
 from cosmos3_batch.engine.offload import slot_sizes
 from cosmos3_batch.engine.transport import OffloadMode
-from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND, layer_parts
-from cosmos3_batch.model.dtypes import resolve_dtype
-from cosmos3_batch.model.loading import build_transformer_on_meta, transformer_rule
+from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
+from cosmos3_batch.plan.device_memory import activation_bytes, decode_bytes, runtime_overhead_bytes
 from cosmos3_batch.plan.estimate import Estimate
+from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import assign, gen_tokens
 from cosmos3_batch.plan.simulator import PartBytes, SimRequest, Simulation, simulate
 from cosmos3_batch.requests.parse import Request
@@ -48,87 +48,6 @@ class Hardware:
     host_gib_per_node: float = 2000.0
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    act_bytes: int  # bytes per activation element (the unquantized weights' dtype: FP8 computes in it)
-    parts: tuple[PartLayout, ...]  # at the job's world size
-    host_resident_bytes: int  # embed_tokens: looked up on the host
-    device_resident_bytes: int  # every other non-layer weight (lm_head excluded: never read)
-    vae_bytes: int
-
-
-def model_shape(
-    checkpoint: Checkpoint, world_size: int, fallback_dtype: torch.dtype, dtype: str = "checkpoint"
-) -> ModelShape:
-    """From config.json, with each tensor's dtype from the safetensors headers when the files exist, cast by
-    `dtype` (`--dtype`, model/dtypes.py) as the run casts it."""
-    cfg = checkpoint.config("transformer")
-    try:
-        store = checkpoint.store("transformer")
-        rule = transformer_rule(checkpoint, dtype)
-        dtype_of = lambda name: rule(name, store.info(name)[0])  # noqa: E731
-    except (ValueError, CheckpointFileError):
-        store = None
-        cast = resolve_dtype(dtype, fallback_dtype)
-        dtype_of = lambda name: cast  # noqa: E731 (a config-only folder: plan a download)
-    model = build_transformer_on_meta(
-        cfg, store
-    )  # FP8: e4m3 weights and their scales, as the engine lays out
-    parts = tuple(
-        build_part_layout(
-            key,
-            [ParamSpec(name, dtype_of(name), tuple(getattr(m, leaf).shape)) for m, leaf, name in params],
-            world_size,
-        )
-        for key, params in layer_parts(model.layers)
-    )
-    resident = {n: p for n, p in model.named_parameters() if not n.startswith("layers.")}
-    nbytes = {n: p.numel() * dtype_of(n).itemsize for n, p in resident.items()}
-    host = sum(v for n, v in nbytes.items() if n.startswith("embed_tokens."))
-    vae_params = _vae_param_count(checkpoint)
-    return ModelShape(
-        layers=cfg["num_hidden_layers"],
-        hidden=cfg["hidden_size"],
-        intermediate=cfg["intermediate_size"],
-        heads=cfg["num_attention_heads"],
-        kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        act_bytes=dtype_of("embed_tokens.weight").itemsize,  # the compute dtype (Cosmos3Split.dtype)
-        parts=parts,
-        host_resident_bytes=host,
-        device_resident_bytes=sum(nbytes.values()) - host,
-        vae_bytes=vae_params * 4,
-    )
-
-
-def _vae_param_count(checkpoint: Checkpoint) -> int:
-    from diffusers import AutoencoderKLWan
-
-    with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config(checkpoint.config("vae"))
-    return sum(p.numel() for p in vae.parameters())
-
-
-def _activation_bytes(shape: ModelShape, active: list[tuple[int, int, int]]) -> int:
-    """(branches, und tokens, gen tokens) per active request -> bytes kept + the largest transient."""
-    kv = shape.kv_heads * shape.head_dim
-    kept, transient = 0, 0
-    for branches, und, gen in active:
-        und_cache = shape.layers * und * kv * 2  # K and V per layer, kept for the request's life
-        kept += branches * (und_cache + gen * shape.hidden) * shape.act_bytes
-        mlp = gen * shape.intermediate * 3  # gate, up, and their product
-        qkv = gen * (shape.heads * shape.head_dim + 2 * kv)
-        attn = qkv + (und + gen) * 2 * kv  # plus the UND+GEN keys/values concatenated for attention
-        transient = max(transient, (mlp + attn + 2 * gen * shape.hidden) * shape.act_bytes)
-    return kept + transient
-
-
 def estimate(
     shape: ModelShape,
     requests: list[Request],
@@ -140,7 +59,10 @@ def estimate(
     hw: Hardware,
     lookahead: int = 0,
     sp: int = 1,
+    max_batch_rows: int | None = MAX_BATCH_ROWS,
+    vae_tiling: bool = False,
 ) -> Estimate:
+    """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget."""
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
     shards = sum(p.shard_bytes for p in shape.parts)
@@ -154,7 +76,8 @@ def estimate(
     active = [(branches, und, gen_len)] * (max_active if typical else 0)
     # Requests prefilled ahead hold their UND K/V (no GEN stream yet) until a slot frees.
     ahead = [(branches, und, 0)] * (lookahead if typical else 0)
-    activations = _activation_bytes(shape, active + ahead)
+    kept, transient = activation_bytes(shape, active + ahead, max_batch_rows)
+    activations = kept + transient
     h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
     sequences = branches * max_active if typical else 0
     work = (sequences, gen_len, und)
@@ -169,13 +92,22 @@ def estimate(
         )  # fmt: skip
         held = branches * (len(active) + len(ahead))
         a2a = sp_cost(dims, sp, (*work, held), shape.layers, shape.act_bytes, a2a_gbps)
+        # The group's own model of a rank's share (its transient per branch): kept whole below.
         activations, pass_s = a2a.activation_bytes, pass_s + a2a.all_to_all_s
+        kept, transient = activations, 0
     host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
-    device = shape.device_resident_bytes + shape.vae_bytes + activations
     lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
     slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
-    device += layer_bytes if mode is OffloadMode.RESIDENT else slots
-    device += shards if mode is OffloadMode.SHARDED else 0
+    breakdown = {
+        "slots": 0 if mode is OffloadMode.RESIDENT else slots,
+        "layer_weights": {OffloadMode.RESIDENT: layer_bytes, OffloadMode.SHARDED: shards}.get(mode, 0),
+        "resident_weights": shape.device_resident_bytes + shape.vae_bytes,
+        "activations": kept,
+        "batched_transient": transient,
+        "vae_decode": decode_bytes(shape, requests, vae_tiling),
+        "runtime_overhead": runtime_overhead_bytes(world_size, sp),
+    }
+    device = sum(breakdown.values())
     assignment = assign(requests, groups)
     token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
     busiest = max(assignment.costs, default=0.0)
@@ -186,7 +118,7 @@ def estimate(
         world_size, nnodes, mode.value, max_active, slot, slots, layer_bytes, host_private,
         layer_bytes if mode is OffloadMode.LOCAL else 0,
         device, activations, h2d, gathered, pass_s, outputs_per_hour, job_hours, assignment.idle_share, [],
-        sp, a2a.all_to_all_bytes, a2a.all_to_all_s,
+        sp, a2a.all_to_all_bytes, a2a.all_to_all_s, breakdown, vae_tiling,
     )  # fmt: skip
     est.warnings = _warnings(est, per_node, hw)
     return est
@@ -232,10 +164,18 @@ def _seconds_per_pass(
 def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
     notes = []
     if est.device_bytes_per_rank > hw.device_gib * 2**30:
-        notes.append(
-            f"device memory {est.device_bytes_per_rank / 2**30:.1f} GiB > --device-gib {hw.device_gib:g}: "
-            "lower --max-active, or use --offload allgather (resident/sharded keep weights on the device)"
+        decode = est.device_breakdown.get("vae_decode", 0)
+        fix = (
+            "lower --max-active or --max-batch-rows, or use --offload allgather "
+            "(resident/sharded keep weights on the device)"
         )
+        if not est.vae_tiling and decode > est.device_bytes_per_rank / 4:
+            fix = (
+                f"the VAE decode alone needs {decode / 2**30:.1f} GiB: --vae-tiling decodes in tiles "
+                f"(not bit-exact), or {fix}"
+            )
+        total = est.device_bytes_per_rank / 2**30
+        notes.append(f"device memory {total:.1f} GiB > --device-gib {hw.device_gib:g}: {fix}")
     host_node = est.host_private_bytes_per_rank * per_node + est.page_cache_bytes_per_node
     if host_node > hw.host_gib_per_node * 2**30:
         notes.append(
@@ -312,6 +252,9 @@ def plan_job(
     columns: Columns = ALL_NAMED,
     stdin: bytes | None = None,
     dtype: str = "checkpoint",
+    vae_dtype: str = "checkpoint",
+    max_batch_rows: int | None = MAX_BATCH_ROWS,
+    vae_tiling: bool = False,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id."""
@@ -358,7 +301,9 @@ def plan_job(
     )
     text = [f"{len(requests)} valid requests on {where}; work in GEN-token x steps x branches"]
     text.append(describe_schedule(assignment))
-    shape = model_shape(checkpoint, nproc, torch.bfloat16, dtype) if checkpoint is not None else None
+    shape = (
+        model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
+    )
     sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
     doc["simulation"] = sim.to_dict()
     text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
@@ -366,7 +311,10 @@ def plan_job(
         doc["weights"] = weight_format(checkpoint, shape)
         text.append(f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB")
         tokens = prompt_tokens(checkpoint, requests)
-        est = estimate(shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
+        est = estimate(
+            shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp,
+            max_batch_rows, vae_tiling,
+        )  # fmt: skip
         doc["estimate"] = est.to_dict()
         if not plan_text.resolvable(est):
             doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)

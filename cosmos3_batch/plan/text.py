@@ -10,6 +10,15 @@ if TYPE_CHECKING:
     from cosmos3_batch.plan.simulator import Simulation
 
 MIN_PASS_S = 1e-3  # the roofline cannot resolve faster passes
+BREAKDOWN_NOTES = {
+    "slots": ": the engine's weight slots (2 GEN + 1 UND)",
+    "layer_weights": ": layers kept on the device (resident: all; sharded: this rank's shards)",
+    "resident_weights": ": non-layer weights and the VAE's",
+    "activations": ": kept (the active requests' GEN rows and UND K/V, and those prefilled ahead)",
+    "batched_transient": ": the largest layer call's working set (--max-batch-rows)",
+    "vae_decode": ": the finisher's peak for the largest output (one decode at a time)",
+    "runtime_overhead": ": CUDA context, GEMM workspaces, NCCL communicators (constants)",
+}
 
 
 def resolvable(est: Estimate) -> bool:
@@ -29,11 +38,11 @@ def describe(est: Estimate) -> str:
         ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
         (
             "device per rank",
-            f"{_size(est.device_bytes_per_rank)} (weight slots: {_size(est.slots_bytes)}, 2 GEN + 1 UND)",
+            f"{_size(est.device_bytes_per_rank)}, of which:",
         ),
-        (
-            "  of which activations",
-            f"{_size(est.activation_bytes_per_rank)} for {est.max_active} active + UND K/V prefilled ahead",
+        *(
+            (f"  {name}", _size(nbytes) + BREAKDOWN_NOTES.get(name, ""))
+            for name, nbytes in est.device_breakdown.items()
         ),
         (
             "per pass per rank",

@@ -79,3 +79,28 @@ def test_a_failing_request_in_a_batch_fails_alone(tiny_ckpt):
         assert errors["vid"] is None and errors["nocfg"] is None
         for rid in ("vid", "nocfg"):
             assert torch.allclose(latents[rid], reference[rid], atol=1e-4, rtol=1e-4), (batch, rid)
+
+
+def test_the_row_budget_bounds_every_batched_call(tiny_ckpt, monkeypatch):
+    import cosmos3_batch.pipeline.apply as apply
+
+    ctx = load_context(tiny_ckpt, torch.device("cpu"))
+    requests, _ = parse_lines([row.encode() for row in ROWS])
+    real, calls = apply.gen_layer_batched, []
+
+    def batched(split, layer, seqs, index):
+        calls.append([int(s.gen_hidden.shape[0]) for s in seqs])
+        return real(split, layer, seqs, index)
+
+    monkeypatch.setattr(apply, "gen_layer_batched", batched)
+    for budget in (None, 16, 1):
+        calls.clear()
+        runner = PassRunner(ctx, ResidentWeights(ctx.layers), 3, lambda *a: None, batch_branches=True,
+                            max_batch_rows=budget)  # fmt: skip
+        runner.run(requests)
+        assert calls
+        if budget is None:  # every branch of the rank in one call
+            assert max(len(c) for c in calls) == 5  # img and vid with CFG, nocfg without
+        else:  # a group over the budget is a single sequence longer than it
+            assert all(sum(c) <= budget or len(c) == 1 for c in calls), calls
+            assert any(len(c) > 1 for c in calls) == (budget == 16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
 import pytest
 import torch
@@ -109,3 +110,48 @@ def test_slot_size_equals_the_engines(tiny_ckpt, dtype):
         == est.host_private_bytes_per_rank - shape.host_resident_bytes
     )
     weights.close()
+
+
+WAN22_VAE = {  # Wan2.2's VAE (48 latent channels, 16x spatial, 4x temporal), as Cosmos3 ships it
+    "_class_name": "AutoencoderKLWan", "attn_scales": [], "base_dim": 160, "decoder_base_dim": 256,
+    "dim_mult": [1, 2, 4, 4], "dropout": 0.0, "in_channels": 12, "is_residual": True, "num_res_blocks": 2,
+    "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+    "temperal_downsample": [False, True, True], "z_dim": 48,
+}  # fmt: skip
+
+
+def test_device_breakdown_of_nano_k4_720p_cfg_on_8_ranks_fits_an_h200(nano_config_only, tmp_path):
+    root = nano_config_only.root
+    (root / "vae" / "config.json").write_text(json.dumps(WAN22_VAE))
+    row = {"prompt": "x", "size": "1280x720", "num_frames": 189}  # the model card's defaults: CFG 6.0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({**row, "id": f"v{i}"}) + "\n" for i in range(16)))
+    h200 = planner.Hardware(device_gib=141)
+    doc, text = planner.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200)
+    est = doc["estimate"]
+    parts = est["device_breakdown"]
+    assert list(parts) == [
+        "slots", "layer_weights", "resident_weights", "activations", "batched_transient", "vae_decode",
+        "runtime_overhead",
+    ]  # fmt: skip
+    assert all(isinstance(v, int) and v >= 0 for v in parts.values())
+    assert sum(parts.values()) == est["device_bytes_per_rank"]
+    assert est["device_bytes_per_rank"] < 141 * 2**30 and not doc.get("warnings") and not est["warnings"]
+    assert parts["slots"] == est["slots_bytes"] == 3 * 385_894_400
+    # One 1280x720x189 branch is 45 x 80 x 48 = 172,800 latent... patchified 2x2: 44,160 rows over the
+    # 65,536-row budget with any other: a batched call holds one branch's transient, not all eight.
+    (request,), _ = parse_lines([json.dumps(row).encode()])
+    und = statistics.median(planner.prompt_tokens(nano_config_only, [request]).values())
+    gen, kv = 44_160, 8 * 128
+    one = (gen * 12288 * 3 + gen * (4096 + 2 * kv) + (und + gen) * 2 * kv + 2 * gen * 4096) * 2
+    assert parts["batched_transient"] == one
+    unbounded = planner.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200, max_batch_rows=None)
+    assert unbounded[0]["estimate"]["device_breakdown"]["batched_transient"] == 8 * one  # K=4 x 2 branches
+    # The decode of a 189-frame 720p clip in float32 is the largest single item; tiled it is a fraction.
+    assert parts["vae_decode"] > 16 * 2**30
+    tiled = planner.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200, vae_tiling=True)
+    assert (
+        tiled[0]["estimate"]["device_breakdown"]["vae_decode"] < parts["vae_decode"] / 3
+    )  # + the output, twice
+    for name in parts:  # the text shows the same lines
+        assert f"  {name} " in text

@@ -1,0 +1,56 @@
+"""Device bytes per rank beyond the weights: activations kept and the largest layer call's transient, the
+VAE decode, and the CUDA runtime's own (docs/scale.md, "Device memory")."""
+
+from __future__ import annotations
+
+from cosmos3_batch.plan.decode_memory import decode_peak_bytes
+from cosmos3_batch.plan.model_shape import ModelShape
+from cosmos3_batch.plan.row_budget import largest_group
+from cosmos3_batch.requests.parse import Request
+
+
+def activation_bytes(
+    shape: ModelShape, active: list[tuple[int, int, int]], max_rows: int | None
+) -> tuple[int, int]:
+    """(branches, und tokens, gen tokens) per active request -> (bytes kept, the largest layer call's
+    transient). `max_rows`: the batched row budget (plan/row_budget.py, the GPU default); None: no budget."""
+    kv = shape.kv_heads * shape.head_dim
+    kept, transient = 0, 0
+    for branches, und, gen in active:
+        und_cache = shape.layers * und * kv * 2  # K and V per layer, kept for the request's life
+        kept += branches * (und_cache + gen * shape.hidden) * shape.act_bytes
+        mlp = gen * shape.intermediate * 3  # gate, up, and their product
+        qkv = gen * (shape.heads * shape.head_dim + 2 * kv)
+        attn = qkv + (und + gen) * 2 * kv  # plus the UND+GEN keys/values concatenated for attention
+        one = (mlp + attn + 2 * gen * shape.hidden) * shape.act_bytes
+        # Batched, the rank's branches (all alike here: the typical request) share calls of up to max_rows.
+        seqs = sum(b for b, _, g in active if g)
+        transient = max(transient, one * largest_group(gen, seqs, max_rows) if gen else 0)
+    return kept, transient
+
+
+# The CUDA runtime's own device memory, which no tensor shows: documented constants, not measured here (no
+# GPU has run this code; scripts/gpu/check.sh measures them where one is lent). A CUDA context with torch's
+# kernels loaded: ~0.5-1 GB on Hopper; cuBLAS/cuBLASLt: a 32 MiB workspace per stream that runs GEMMs
+# (compute, finisher); NCCL: per communicator its channel buffers (NCCL_BUFFSIZE 4 MiB x channels x peers),
+# and on NVSwitch systems NVLS buffers: ~0.5 GB to 1.5 GB.
+CUDA_CONTEXT_BYTES = 1 << 30
+CUBLAS_WORKSPACE_BYTES = 2 * (32 << 20)
+NCCL_COMMUNICATOR_BYTES = 1 << 30
+
+
+def runtime_overhead_bytes(world_size: int, sp: int) -> int:
+    """The context, GEMM workspaces and one NCCL communicator per process group this rank is in: the
+    exchange and the gather group, and its --sp group."""
+    communicators = 0 if world_size == 1 else 2 + (sp > 1)
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES
+
+
+def decode_bytes(shape: ModelShape, requests: list[Request], tiled: bool) -> int:
+    """The finisher's peak for the largest output (one decode at a time, on the compute device)."""
+    if not shape.vae_config_json or not requests:
+        return 0
+    big = max(requests, key=lambda r: (r.width * r.height * r.num_frames, r.id))
+    return decode_peak_bytes(
+        shape.vae_config_json, big.width, big.height, big.num_frames, shape.vae_dtype, tiled
+    )
