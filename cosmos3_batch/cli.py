@@ -28,8 +28,8 @@ FREE_SHARE_HELP = (
 MAX_WAIT_HELP = "... or when a free slot has waited this many passes for a UND pass."
 FP8_COMPUTE_HELP = (
     "FP8 checkpoints only. checkpoint: the checkpoint's step policy (W8A16 on its first/last steps, W8A8 "
-    "between; W8A16 throughout where no FP8 GEMM exists, e.g. CPU); a16: W8A16 (dequantize, then the "
-    "linear) on every step."
+    "between; W8A16 throughout where no FP8 GEMM exists, i.e. GPUs before Ada: torch's CPU kernel runs "
+    "W8A8); a16: W8A16 (dequantize, then the linear) on every step."
 )
 MAX_BATCH_ROWS_HELP = (
     "With --batch-branches: at most this many rows (tokens x branches) in one batched layer call; a "

@@ -15,9 +15,26 @@ on CPU, batching pays for short branches only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split, _apply_rotary, _attention, gen_attention
+
+
+@contextmanager
+def _sequences(split: Cosmos3Split, sizes: list[int]) -> Iterator[None]:
+    """FP8: W8A8 scales each sequence's rows by their own amax (model/fp8.py), so tell it where they lie."""
+    fp8 = split.fp8
+    if fp8 is None:
+        yield
+        return
+    fp8.segments = sizes
+    try:
+        yield
+    finally:
+        fp8.segments = None
 
 
 def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -61,8 +78,18 @@ def gen_layer_batched(
         # Nothing to share: the per-branch path is the same work and is exact by construction.
         split.gen_layer(layer, seqs[0], layer_index)
         return
-    attn = layer.self_attn
     sizes = [s.gen_hidden.shape[0] for s in seqs]
+    with _sequences(split, sizes):
+        out = _gen_rows(split, layer, seqs, sizes, layer_index)
+    # Written only now (a failed batch leaves every branch as it was, so the caller can retry per branch).
+    # Views into one buffer: every seq in a pass is replaced at the next layer, so none outlives the others
+    # by more than a layer, and the head reads its rows by index.
+    for seq, rows in zip(seqs, out.split(sizes), strict=True):
+        seq.gen_hidden = rows
+
+
+def _gen_rows(split: Cosmos3Split, layer, seqs: list[BranchSeq], sizes: list[int], layer_index: int):
+    attn = layer.self_attn
     hidden = _joined([s.gen_hidden for s in seqs])
     x = layer.input_layernorm_moe_gen(hidden)
     q, k, v = _project(attn, x, ("add_q_proj", "add_k_proj", "add_v_proj"))
@@ -75,12 +102,7 @@ def gen_layer_batched(
         for seq, q_s, k_s, v_s in zip(seqs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True)
     ]
     residual = hidden + attn.to_add_out(torch.cat(outs))
-    out = residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
-    # Written only now (a failed batch leaves every branch as it was, so the caller can retry per branch).
-    # Views into one buffer: every seq in a pass is replaced at the next layer, so none outlives the others
-    # by more than a layer, and the head reads its rows by index.
-    for seq, rows in zip(seqs, out.split(sizes), strict=True):
-        seq.gen_hidden = rows
+    return residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
 
 
 def und_layer_batched(
@@ -94,8 +116,18 @@ def und_layer_batched(
     if len(seqs) == 1:
         split.und_layer(layer, seqs[0], is_last)
         return
-    attn = layer.self_attn
     sizes = [s.und_hidden.shape[0] for s in seqs]
+    with _sequences(split, sizes):
+        kv, new_hidden = _und_rows(layer, seqs, sizes, is_last)
+    # Nothing is written until everything is computed: if a batch fails (out of memory), every branch is
+    # as it was and the caller can retry them one by one to find the failing request.
+    for seq, pair, rows in zip(seqs, kv, new_hidden, strict=True):
+        seq.und_kv.append(pair)
+        seq.und_hidden = rows
+
+
+def _und_rows(layer, seqs: list[BranchSeq], sizes: list[int], is_last: bool):
+    attn = layer.self_attn
     hidden = _joined([s.und_hidden for s in seqs])
     x = layer.input_layernorm(hidden)
     q, k, v = _project(attn, x, ("to_q", "to_k", "to_v"))
@@ -121,11 +153,7 @@ def und_layer_batched(
         ]
         residual = hidden + attn.to_out(torch.cat(outs))
         new_hidden = list((residual + layer.mlp(layer.post_attention_layernorm(residual))).split(sizes))
-    # Nothing is written until everything is computed: if a batch fails (out of memory), every branch is
-    # as it was and the caller can retry them one by one to find the failing request.
-    for seq, pair, rows in zip(seqs, kv, new_hidden, strict=True):
-        seq.und_kv.append(pair)
-        seq.und_hidden = rows
+    return kv, new_hidden
 
 
 def row_groups(seqs: list[BranchSeq], rows: list[int], max_rows: int | None) -> list[list[BranchSeq]]:

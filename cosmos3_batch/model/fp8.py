@@ -35,10 +35,12 @@ Nothing here imports torch.distributed: a linear computes with whatever tensors 
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,7 @@ from cosmos3_batch.checkpoint.fp8_format import E4M3_MAX, FP8, SCALE, Quantizati
 from cosmos3_batch.checkpoint.reader import TensorStore
 
 log = logging.getLogger(__name__)
+INPUT_AMAX = "input_quantizer._amax"
 
 COMPUTE_MODES = ("checkpoint", "a16")
 
@@ -59,41 +62,120 @@ def w8a16_linear(
     return F.linear(x, dense, bias)
 
 
+QUANT_CHUNK_ROWS = 4096  # activations quantized this many rows at a time: a bounded float32 transient
+
+
 def w8a8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    input_amax: torch.Tensor | None = None,
+    segments: list[int] | None = None,
+    shared: SharedAmax | None = None,
 ) -> torch.Tensor:
-    """FP8 GEMM (`torch._scaled_mm`): activations quantized per tensor on the fly (dynamic amax: a
-    converted checkpoint has no calibrated input scale), weights as stored. GPU only (sm89+).
+    """FP8 GEMM (`torch._scaled_mm`, CUDA sm89+ and torch's CPU kernel): activations quantized per tensor,
+    weights as stored.
 
-    `amax_reduce` (--sp): the max of the amax over the ranks holding the other rows of the sequence, so the
-    activation scale is the whole sequence's, as without --sp. Every rank of the group calls it, those
-    holding no rows too (with 0)."""
+    The activation scale is the checkpoint's calibrated `input_amax` when it has one (NVIDIA's releases:
+    static, so nothing about the batch matters and nothing is reduced), else the dynamic amax of each
+    sequence's own rows: `segments` gives the row counts of the sequences a batched call joined, and each
+    is quantized and multiplied with its own scale, so a request's output never depends on what shares its
+    passes. `amax_reduce` (--sp): the max of those amaxes over the ranks holding the sequences' other rows,
+    as without --sp (every rank of the group calls it, with 0 for a sequence it holds no rows of).
+    `shared`: the amaxes of the last input, reused when q/k/v (or gate/up) quantize the same tensor, so
+    --sp reduces once per input, not once per linear."""
     rows = x.reshape(-1, x.shape[-1])
-    amax = rows.abs().amax().float() if rows.shape[0] else torch.zeros((), device=x.device)
-    if amax_reduce is not None:
-        amax = amax_reduce(amax)
+    sizes = segments if segments is not None else [rows.shape[0]]
+    if input_amax is not None:
+        amaxes = input_amax.float().reshape(1).expand(len(sizes))
+    else:
+        amaxes = shared.get(x) if shared is not None else None
+        if amaxes is None:
+            amaxes = _segment_amax(rows, sizes)
+            if amax_reduce is not None:
+                amaxes = amax_reduce(amaxes)
+            if shared is not None:
+                shared.keep(x, amaxes)
     if rows.shape[0] == 0:  # an --sp rank holding none of a short branch's rows
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
-    x_scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    xq = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
-    # weight.t() of a row-major [out, in] weight is the column-major right operand _scaled_mm wants.
-    out = torch._scaled_mm(
-        xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=scale.float().reshape(()), out_dtype=x.dtype
-    )
+    x_scales = (amaxes / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    w_scale = scale.float().reshape(())
+    outs = []
+    for seq, x_scale in zip(rows.split(sizes), x_scales, strict=True):
+        if seq.shape[0] == 0:
+            outs.append(seq.new_empty((0, weight.shape[0])))
+            continue
+        # weight.t() of a row-major [out, in] weight is the column-major right operand _scaled_mm wants.
+        outs.append(
+            torch._scaled_mm(
+                _quantized(seq, x_scale), weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if bias is not None:
         out = out + bias.to(x.dtype)  # added outside: _scaled_mm restricts the bias dtype per output dtype
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _segment_amax(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """max |x| of each sequence's rows (0 for a sequence with none here), float32, one per sequence."""
+    return torch.stack(
+        [
+            seq.abs().amax().float() if seq.shape[0] else torch.zeros((), device=rows.device)
+            for seq in rows.split(sizes)
+        ]
+    )
+
+
+def _quantized(rows: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """rows / scale in e4m3, computed in float32 a chunk of rows at a time (the same bytes as all at once,
+    without a float32 copy of the whole activation: 2.2 GB for a 720p branch's down_proj input)."""
+    out = torch.empty(rows.shape, dtype=FP8, device=rows.device)
+    for start in range(0, rows.shape[0], QUANT_CHUNK_ROWS):
+        chunk = rows[start : start + QUANT_CHUNK_ROWS]
+        out[start : start + QUANT_CHUNK_ROWS] = (chunk.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return out
+
+
+class SharedAmax:
+    """The amaxes of the input the last W8A8 linear quantized: q/k/v (and gate/up) read one tensor."""
+
+    def __init__(self) -> None:
+        self._input: weakref.ref | None = None
+        self._version = -1
+        self._amaxes: torch.Tensor | None = None
+
+    def get(self, x: torch.Tensor) -> torch.Tensor | None:
+        same = self._input is not None and self._input() is x and x._version == self._version
+        return self._amaxes if same else None
+
+    def keep(self, x: torch.Tensor, amaxes: torch.Tensor) -> None:
+        self._input, self._version, self._amaxes = weakref.ref(x), x._version, amaxes
+
+    def clear(self) -> None:
+        self._input, self._amaxes = None, None
+
+
 def fp8_gemm_available(device: torch.device) -> bool:
-    """`torch._scaled_mm` with e4m3 needs a CUDA device of compute capability 8.9 (Ada/Hopper) or newer."""
+    """`torch._scaled_mm` with e4m3: a CUDA device of compute capability 8.9 (Ada/Hopper) or newer, or the
+    CPU where this torch has the kernel (2.13 does)."""
+    if device.type == "cpu":
+        return _cpu_scaled_mm()
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _cpu_scaled_mm() -> bool:
+    one = torch.ones((16, 16)).to(FP8)
+    try:
+        torch._scaled_mm(one, one.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 @dataclass
@@ -114,6 +196,9 @@ class Fp8Compute:
     high_precision: bool = True  # what the next linear call runs
     # --sp: set for the GEN half of a request split over a group (W8A8's amax over the whole sequence)
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Rows per sequence of the batched call running now (model/batched.py); None: one sequence.
+    segments: list[int] | None = None
+    shared: SharedAmax = field(default_factory=lambda: SharedAmax())
     w8a8_calls: int = 0  # counted, so metrics can say which math ran
     w8a16_calls: int = 0
 
@@ -182,6 +267,14 @@ class _ScaleHolder(torch.nn.Module):
         self._scale = torch.nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False)
 
 
+class _AmaxHolder(torch.nn.Module):
+    """Stands where ModelOpt's `input_quantizer` is, when the checkpoint holds its calibrated `_amax`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._amax = torch.nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False)
+
+
 class Fp8Linear(torch.nn.Module):
     """An `nn.Linear` whose weight is e4m3 plus one float32 scale; the engine may re-point both."""
 
@@ -205,7 +298,17 @@ class Fp8Linear(torch.nn.Module):
             self.compute.w8a16_calls += 1
             return w8a16_linear(x, self.weight, scale, self.bias)
         self.compute.w8a8_calls += 1
-        return w8a8_linear(x, self.weight, scale, self.bias, compute.amax_reduce if self.in_layer else None)
+        quantizer = getattr(self, "input_quantizer", None)  # a calibrated (static) activation scale
+        return w8a8_linear(
+            x,
+            self.weight,
+            scale,
+            self.bias,
+            amax_reduce=compute.amax_reduce if self.in_layer else None,
+            input_amax=None if quantizer is None else quantizer._amax,
+            segments=compute.segments if self.in_layer else None,
+            shared=compute.shared,
+        )
 
 
 def quantized_linears(model: torch.nn.Module, store: TensorStore) -> list[str]:
@@ -234,5 +337,7 @@ def install_fp8(model: torch.nn.Module, store: TensorStore, compute: Fp8Compute)
         with torch.device("meta"):
             in_layer = name.startswith("layers.")
             new = Fp8Linear(old.in_features, old.out_features, old.bias is not None, compute, in_layer)
+            if f"{name}.{INPUT_AMAX}" in store.names():  # calibrated: W8A8 uses it (a static scale)
+                new.input_quantizer = _AmaxHolder()
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
     return len(names)

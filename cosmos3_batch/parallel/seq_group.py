@@ -49,12 +49,13 @@ class SeqGroup:
         return out
 
     def max_reduce(self, value: torch.Tensor) -> torch.Tensor:
-        """A scalar's max over the group (W8A8's activation amax under --sp, model/fp8.py)."""
+        """Elementwise max over the group (W8A8's per-sequence activation amaxes under --sp, model/fp8.py):
+        one all-reduce however many sequences."""
         if self.note is not None:
-            self.note("max:1")
-        out = value.reshape(1).to(self.device, torch.float32)
+            self.note(f"max:{value.numel()}")
+        out = value.reshape(-1).to(self.device, torch.float32)
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
-        return out.reshape(())
+        return out.reshape(value.shape)
 
     def agree(self, flags: list[bool]) -> list[bool]:
         """Each flag AND-ed over the group's ranks (one small all-reduce)."""

@@ -98,5 +98,9 @@ class PartApplier:
 
 
 def _rows(branch: BranchSeq, part: str) -> int:
+    """The rows the row budget counts: a --sp branch's whole GEN sequence, not this rank's share, so every
+    rank of the group cuts its branches into the same groups (W8A8's amax reductions run per group)."""
+    if part == GEN and branch.shard is not None:
+        return sum(branch.shard.rows)
     hidden = branch.gen_hidden if part == GEN else branch.und_hidden
     return int(hidden.shape[0])

@@ -48,11 +48,13 @@ def test_step_policy_matches_diffusers(first: int, last: int, overlap: str) -> N
             assert ours.use_high_precision(i, steps) == ref.use_high_precision(i, steps), (i, steps)
 
 
-def test_a16_and_cpu_always_run_w8a16() -> None:
+def test_a16_and_a_device_without_fp8_gemm_always_run_w8a16() -> None:
     qc = {"quant_method": "modelopt", "quant_type": "FP8"}
     a16 = make_compute(qc, "a16", torch.device("cpu"))
-    with pytest.warns(UserWarning, match="every step runs W8A16"):
-        checkpoint = make_compute(qc, "checkpoint", torch.device("cpu"))
+    with pytest.warns(UserWarning, match="every step runs W8A16"):  # meta: a stand-in for a pre-Ada GPU
+        checkpoint = make_compute(qc, "checkpoint", torch.device("meta"))
+    on_cpu = make_compute(qc, "checkpoint", torch.device("cpu"))  # torch 2.13's CPU _scaled_mm: W8A8 runs
+    assert on_cpu.w8a8_available and on_cpu.policy_name.startswith("checkpoint")
     for compute in (a16, checkpoint):
         for i in range(10):
             compute.select(i, 10, gen=True)
@@ -96,7 +98,7 @@ def test_checkpoint_policy_with_fp8_gemm_selects_per_step_and_stream() -> None:
 
 
 def test_w8a8_math_and_dispatch_on_cpu() -> None:
-    """torch 2.13 has a CPU `_scaled_mm`: the W8A8 math (which runs only on FP8-GEMM GPUs) is checked here
+    """torch 2.13 has a CPU `_scaled_mm`: the W8A8 math (run on CPU and on FP8-GEMM GPUs) is checked here
     against W8A16 (close, not equal: activations are e4m3 too), and Fp8Linear dispatches by the policy."""
     from cosmos3_batch.model.fp8 import Fp8Linear, w8a8_linear
 
@@ -138,7 +140,7 @@ def test_applier_gives_each_request_its_steps_precision(monkeypatch: pytest.Monk
             step_index=step,
             timesteps=list(range(5)),
             error=None,
-            branches=[SimpleNamespace(step=step, gen_hidden=torch.zeros(4, 8))],
+            branches=[SimpleNamespace(step=step, gen_hidden=torch.zeros(4, 8), shard=None)],
         )
         for step in (0, 2, 4, 3)
     ]
