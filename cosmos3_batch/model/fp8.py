@@ -290,11 +290,14 @@ class Fp8Linear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_quantizer = _ScaleHolder()
         self.compute = compute
+        # _scaled_mm needs both GEMM dims in multiples of 16 (cuBLASLt's FP8 rule): other shapes (a small
+        # proj_in/out, an odd modality embed) run W8A16 whatever the step policy says.
+        self.gemm_ok = in_features % 16 == 0 and out_features % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight_quantizer._scale
         compute = self.compute
-        if compute.high_precision if self.in_layer else compute.base_high_precision:
+        if not self.gemm_ok or (compute.high_precision if self.in_layer else compute.base_high_precision):
             self.compute.w8a16_calls += 1
             return w8a16_linear(x, self.weight, scale, self.bias)
         self.compute.w8a8_calls += 1

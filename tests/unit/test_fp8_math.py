@@ -150,3 +150,27 @@ def test_applier_gives_each_request_its_steps_precision(monkeypatch: pytest.Monk
         assert sorted(s for steps, _ in seen for s in steps) == [0, 2, 3, 4]
         for steps, high in seen:
             assert {compute.use_high_precision(s, 5) for s in steps} == {high}, (batched, seen)
+
+
+def test_shapes_no_fp8_gemm_takes_run_w8a16_and_e4m3_is_never_upcast() -> None:
+    """_scaled_mm needs dims in multiples of 16: a linear of other shape runs W8A16 on a W8A8 step; and the
+    float32 modules' rule (the time embedding) leaves e4m3 weights as stored."""
+    from cosmos3_batch.model.dtypes import DtypeRule
+    from cosmos3_batch.model.fp8 import Fp8Linear, w8a16_linear
+
+    g = torch.Generator().manual_seed(2)
+    compute = Fp8Compute(mode="checkpoint", first_steps=0, last_steps=0, w8a8_available=True)
+    for width, w8a8 in ((40, False), (48, True)):
+        q, _, scale = quantize_per_tensor(torch.randn(width, 32, generator=g) * 0.05)
+        linear = Fp8Linear(32, width, False, compute)
+        linear.weight.data, linear.weight_quantizer._scale.data = q, scale
+        compute.select(2, 4, gen=True)
+        x = torch.randn(3, 32, generator=g)
+        before = (compute.w8a16_calls, compute.w8a8_calls)
+        out = linear(x)
+        assert (compute.w8a16_calls - before[0], compute.w8a8_calls - before[1]) == (int(not w8a8), int(w8a8))
+        assert torch.equal(out, w8a16_linear(x, q, scale, None)) != w8a8
+    rule = DtypeRule(torch.bfloat16, ("time_embedder",))
+    assert rule("time_embedder.linear_1.weight", FP8) == FP8
+    assert rule("time_embedder.linear_1.weight_quantizer._scale", torch.bfloat16) == torch.float32
+    assert rule("layers.0.mlp.up_proj.weight", torch.float32) == torch.bfloat16
