@@ -205,16 +205,29 @@ def plan(
     nnodes: Annotated[int, typer.Option(help="Nodes the ranks are spread over.")] = 1,
     offload: Annotated[str, typer.Option(help="Offload mode to size (as `run --offload`).")] = "allgather",
     max_active: Annotated[int, typer.Option(help="Requests per rank sharing each layer (as `run`).")] = 4,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            help="Preset figures for h100, h200, b200 or b300 (docs/scale.md); the flags below win."
+        ),
+    ] = None,
     h2d_gbps: Annotated[
-        float, typer.Option(help="Host->device GB/s per GPU (H100/H200 PCIe Gen5: 50).")
-    ] = 50.0,
-    gather_gbps: Annotated[float, typer.Option(help="AllGather bus GB/s in a node (NVLink: 350).")] = 350.0,
-    inter_node_gbps: Annotated[float, typer.Option(help="Per-GPU GB/s across nodes (400G IB: 45).")] = 45.0,
+        float | None, typer.Option(help="Host->device GB/s per GPU (default: H100 PCIe Gen5, 50).")
+    ] = None,
+    gather_gbps: Annotated[
+        float | None, typer.Option(help="AllGather bus GB/s in a node (default: NVLink 4, 350).")
+    ] = None,
+    inter_node_gbps: Annotated[
+        float | None, typer.Option(help="Per-GPU GB/s across nodes (default: 400G IB, 45).")
+    ] = None,
     tflops: Annotated[
-        float, typer.Option(help="Achievable dense bf16 TFLOP/s per GPU (H100/H200: 600).")
-    ] = 600.0,
-    device_gib: Annotated[float, typer.Option(help="Device memory per GPU (H100: 80, H200: 141).")] = 80.0,
-    host_gib: Annotated[float, typer.Option(help="Host memory per node.")] = 2000.0,
+        float | None, typer.Option(help="Achievable dense bf16 TFLOP/s per GPU (default: H100, 600).")
+    ] = None,
+    hbm_gbps: Annotated[float | None, typer.Option(help="Achievable HBM GB/s (default: H100, 2680).")] = None,
+    device_gib: Annotated[
+        float | None, typer.Option(help="Device memory per GPU (default: H100, 80).")
+    ] = None,
+    host_gib: Annotated[float | None, typer.Option(help="Host memory per node (default 2000).")] = None,
     shard: Annotated[
         str | None, typer.Option(help="INDEX/COUNT: plan only this slice, as `run --shard`.")
     ] = None,
@@ -244,13 +257,18 @@ def plan(
     import json
 
     from cosmos3_batch.plan import planner
+    from cosmos3_batch.plan.hardware import Hardware, preset, with_overrides
     from cosmos3_batch.plan.prefill import PrefillRule
     from cosmos3_batch.requests.fields import MAX_SAMPLES
     from cosmos3_batch.requests.sources import STDIN, Columns
 
-    hw = planner.Hardware(h2d_gbps, gather_gbps, inter_node_gbps, tflops, device_gib, host_gib)
     stdin = sys.stdin.buffer.read() if STDIN in prompts else None
     try:
+        hw = with_overrides(
+            preset(gpu) if gpu is not None else Hardware(),
+            h2d_gbps=h2d_gbps, gather_gbps=gather_gbps, inter_node_gbps=inter_node_gbps, tflops=tflops,
+            hbm_gbps=hbm_gbps, device_gib=device_gib, host_gib_per_node=host_gib,
+        )  # fmt: skip
         rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead)
         if not 1 <= samples_per_prompt <= MAX_SAMPLES:
             raise ValueError(

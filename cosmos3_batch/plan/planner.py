@@ -10,7 +10,6 @@ rank's shard plus the AllGather of the rest.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +23,7 @@ from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp
 from cosmos3_batch.plan import text as plan_text
 from cosmos3_batch.plan.device_memory import activation_bytes, decode_bytes, runtime_overhead_bytes
 from cosmos3_batch.plan.estimate import Estimate
+from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
@@ -34,18 +34,6 @@ from cosmos3_batch.requests.sources import ALL_NAMED, Columns
 
 GB = 1e9
 IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Per-GPU figures. Defaults: an H100/H200 SXM node (PCIe Gen5 host links, NVLink, 400G IB)."""
-
-    h2d_gbps: float = 50.0  # achievable pinned host->device per GPU
-    gather_gbps: float = 350.0  # AllGather bus bandwidth inside a node (NVLink)
-    inter_node_gbps: float = 45.0  # per GPU across nodes
-    tflops: float = 600.0  # achievable dense bf16 (H100 SXM peak 989, H200 the same)
-    device_gib: float = 80.0  # H100 80 GB; H200: 141
-    host_gib_per_node: float = 2000.0
 
 
 def estimate(
@@ -154,7 +142,12 @@ def _seconds_per_pass(
     total = 0.0
     for part in gen_parts:
         params = sum(p.spec.nbytes // p.spec.dtype.itemsize for p in part.params)  # FP8: 1 byte each
-        compute = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12) / sp
+        flops_s = (2 * params * sequences * gen + attn_flops) / (hw.tflops * 1e12) / sp
+        # Each linear reads its weights once and its input and output rows once from HBM: at few tokens
+        # (images, small K) the pass is bound by that, not by the FLOPs.
+        rows = sequences * gen / sp
+        traffic = part.nbytes + rows * (12 * shape.hidden + 4 * shape.intermediate) * shape.act_bytes
+        compute = max(flops_s, traffic / (hw.hbm_gbps * GB))
         h2d, gathered = _bytes_per_pass([part], mode, world)
         fetch = h2d / (hw.h2d_gbps * GB) + gathered / (gather_bw * GB)
         total += max(compute, fetch)

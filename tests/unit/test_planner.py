@@ -16,20 +16,10 @@ from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.plan import planner
+from cosmos3_batch.plan.shapes import NANO_TRANSFORMER, WAN22_VAE
 from cosmos3_batch.requests.parse import parse_lines
 
-NANO = {
-    "_class_name": "Cosmos3OmniTransformer",
-    "hidden_size": 4096,
-    "head_dim": 128,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "vocab_size": 151936,
-    "latent_channel": 48,
-    "patch_latent_dim": 192,
-}
+NANO = NANO_TRANSFORMER
 
 
 @pytest.fixture
@@ -112,14 +102,6 @@ def test_slot_size_equals_the_engines(tiny_ckpt, dtype):
     weights.close()
 
 
-WAN22_VAE = {  # Wan2.2's VAE (48 latent channels, 16x spatial, 4x temporal), as Cosmos3 ships it
-    "_class_name": "AutoencoderKLWan", "attn_scales": [], "base_dim": 160, "decoder_base_dim": 256,
-    "dim_mult": [1, 2, 4, 4], "dropout": 0.0, "in_channels": 12, "is_residual": True, "num_res_blocks": 2,
-    "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
-    "temperal_downsample": [False, True, True], "z_dim": 48,
-}  # fmt: skip
-
-
 def test_device_breakdown_of_nano_k4_720p_cfg_on_8_ranks_fits_an_h200(nano_config_only, tmp_path):
     root = nano_config_only.root
     (root / "vae" / "config.json").write_text(json.dumps(WAN22_VAE))
@@ -155,3 +137,25 @@ def test_device_breakdown_of_nano_k4_720p_cfg_on_8_ranks_fits_an_h200(nano_confi
     )  # + the output, twice
     for name in parts:  # the text shows the same lines
         assert f"  {name} " in text
+
+
+def test_gpu_presets_and_flags_over_them(nano_config_only, tmp_path):
+    from cosmos3_batch.plan.hardware import preset
+    from tests.unit.test_cli import invoke
+
+    h200, b300 = preset("h200"), preset("b300")
+    assert (h200.device_gib, b300.device_gib) == (141, 288)
+    assert b300.tflops == pytest.approx(0.6 * 2250) and b300.h2d_gbps == pytest.approx(0.8 * 128)
+    with pytest.raises(ValueError, match="--gpu must be one of h100, h200, b200, b300"):
+        preset("a100")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "v", "prompt": "x", "size": "1280x720", "num_frames": 189}\n')
+    plan = ["plan", prompts, "--model", nano_config_only.root, "--offload", "resident", "--json"]
+    fits = json.loads(invoke(*plan, "--gpu", "h200").output)["estimate"]
+    assert fits["warnings"] == []  # Nano resident on one H200
+    small = json.loads(invoke(*plan, "--gpu", "h200", "--device-gib", "24").output)["estimate"]
+    assert any("--device-gib 24" in w for w in small["warnings"])  # the flag wins over the preset
+    faster = json.loads(invoke(*plan, "--gpu", "b300").output)["estimate"]
+    assert faster["seconds_per_pass"] < fits["seconds_per_pass"]
+    bad = invoke("plan", prompts, "--gpu", "a100")
+    assert bad.exit_code == 2 and "--gpu must be one of" in bad.output
