@@ -19,6 +19,7 @@ from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
 from cosmos3_batch.model.prompts import tokenize
 from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.parallel.sequence import check_model, shard_rows
+from cosmos3_batch.pipeline import sync_free
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
@@ -243,7 +244,7 @@ class RequestJob:
             scheduler.set_timesteps(steps, device=self.ctx.device, sigmas=sigmas)
         else:
             scheduler.set_timesteps(steps, device=self.ctx.device)
-        return scheduler
+        return sync_free.prepare(scheduler, self.ctx.device)
 
     # ---- one denoising step ------------------------------------------------------------------------
 
@@ -279,9 +280,9 @@ class RequestJob:
         else:
             velocity = branch_velocities[0]
         t = self.timesteps[self.step_index]
-        self.latents = self.scheduler.step(
-            velocity["vision"].unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
-        )[0].squeeze(0)
+        self.latents = sync_free.step(
+            self.scheduler, velocity["vision"].unsqueeze(0), t, self.latents.unsqueeze(0)
+        ).squeeze(0)
         for stream in self.streams:
             stream.step(velocity[stream.kind], t)
         self.step_index += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cosmos3_batch.model.modes import ACTION, SOUND, StreamLayout
+from cosmos3_batch.pipeline import sync_free
 
 
 @dataclass
@@ -66,9 +67,8 @@ class ExtraStream:
     def step(self, velocity: torch.Tensor, t: torch.Tensor) -> None:
         if not self.steps:
             return
-        self.latents = self.scheduler.step(
-            velocity.unsqueeze(0), t, self.latents.unsqueeze(0), return_dict=False
-        )[0].squeeze(0)
+        self.latents = sync_free.step(self.scheduler, velocity.unsqueeze(0), t, self.latents.unsqueeze(0))
+        self.latents = self.latents.squeeze(0)
         if self.raw_action_dim is not None:
             self.latents[:, self.raw_action_dim :] = 0
 
