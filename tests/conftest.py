@@ -20,7 +20,7 @@ MODULE_SECONDS = {
     "tests/slurm/test_slurm.py": 290,
     "tests/dist/test_runs.py": 230,
     "tests/dist/test_stop.py": 220,
-    "tests/unit/test_bench_smoke.py": 175,
+    "tests/unit/test_bench_smoke.py": 110,
     "tests/dist/test_sp.py": 150,
     "tests/dist/test_memory.py": 120,
     "tests/dist/test_fp8_runs.py": 120,
