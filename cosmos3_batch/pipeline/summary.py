@@ -85,6 +85,10 @@ def build_summary(
             "world_size": world.world_size,
             "sp": cfg.sp,
             "device": str(world.device),
+            # What a comparison run must also use (docs/running.md, "Compute dtype").
+            "dtype": cfg.dtype,
+            "vae_dtype": cfg.vae_dtype,
+            "max_batch_rows": cfg.max_batch_rows,
         },
         "versions": versions(),
         # On CPU the bits depend on MKL's reproducibility mode: what a comparison run must also use.
