@@ -21,6 +21,13 @@ app = typer.Typer(
 
 
 RULE = PrefillRule()  # the defaults of the prefill flags
+Num = float | None  # a hardware figure of `plan`: None takes the --gpu preset's (or the H100 default)
+
+
+def _opt(help: str):
+    return typer.Option(help=help)
+
+
 FREE_SHARE_HELP = (
     "Fetch the UND (text) halves for the whole world when this share of all slots is free with no "
     "prefilled request to take it (docs/scale.md: prefill passes)."
@@ -32,9 +39,8 @@ FP8_COMPUTE_HELP = (
     "W8A8); a16: W8A16 (dequantize, then the linear) on every step."
 )
 MAX_BATCH_ROWS_HELP = (
-    "With --batch-branches: at most this many rows (tokens x branches) in one batched layer call; a "
-    "rank's branches are split into consecutive groups under it (a longer sequence runs alone). Bounds the "
-    "transient device memory: `plan` counts one group."
+    "With --batch-branches: at most this many rows (tokens x branches) per batched layer call (a longer "
+    "branch runs alone): a bound on its transient device memory, which `plan` counts."
 )
 DTYPE_HELP = (
     "The transformer's compute dtype. checkpoint (default): the dtype it stores (bf16 for NVIDIA's "
@@ -206,28 +212,15 @@ def plan(
     offload: Annotated[str, typer.Option(help="Offload mode to size (as `run --offload`).")] = "allgather",
     max_active: Annotated[int, typer.Option(help="Requests per rank sharing each layer (as `run`).")] = 4,
     gpu: Annotated[
-        str | None,
-        typer.Option(
-            help="Preset figures for h100, h200, b200 or b300 (docs/scale.md); the flags below win."
-        ),
+        str | None, _opt("Presets: h100, h200, b200, b300 (docs/scale.md); flags below win.")
     ] = None,
-    h2d_gbps: Annotated[
-        float | None, typer.Option(help="Host->device GB/s per GPU (default: H100 PCIe Gen5, 50).")
-    ] = None,
-    gather_gbps: Annotated[
-        float | None, typer.Option(help="AllGather bus GB/s in a node (default: NVLink 4, 350).")
-    ] = None,
-    inter_node_gbps: Annotated[
-        float | None, typer.Option(help="Per-GPU GB/s across nodes (default: 400G IB, 45).")
-    ] = None,
-    tflops: Annotated[
-        float | None, typer.Option(help="Achievable dense bf16 TFLOP/s per GPU (default: H100, 600).")
-    ] = None,
-    hbm_gbps: Annotated[float | None, typer.Option(help="Achievable HBM GB/s (default: H100, 2680).")] = None,
-    device_gib: Annotated[
-        float | None, typer.Option(help="Device memory per GPU (default: H100, 80).")
-    ] = None,
-    host_gib: Annotated[float | None, typer.Option(help="Host memory per node (default 2000).")] = None,
+    h2d_gbps: Annotated[Num, _opt("Host->device GB/s per GPU (default: H100 PCIe Gen5, 50).")] = None,
+    gather_gbps: Annotated[Num, _opt("AllGather bus GB/s in a node (default: NVLink 4, 350).")] = None,
+    inter_node_gbps: Annotated[Num, _opt("Per-GPU GB/s across nodes (default: 400G IB, 45).")] = None,
+    tflops: Annotated[Num, _opt("Achievable dense bf16 TFLOP/s per GPU (default: H100, 600).")] = None,
+    hbm_gbps: Annotated[Num, _opt("Achievable HBM GB/s (default: H100, 2680).")] = None,
+    device_gib: Annotated[Num, _opt("Device memory per GPU (default: H100, 80).")] = None,
+    host_gib: Annotated[Num, _opt("Host memory per node (default 2000).")] = None,
     shard: Annotated[
         str | None, typer.Option(help="INDEX/COUNT: plan only this slice, as `run --shard`.")
     ] = None,
