@@ -66,5 +66,5 @@ def decode_audio_track(path: Path, sample_rate: int, channels: int) -> np.ndarra
     """The AAC track of an MP4, decoded to [samples, channels] int16 (for checks and tests)."""
     cmd = [ffmpeg(), "-nostdin", "-loglevel", "error", "-i", str(path), "-map", "0:a"]
     cmd += ["-f", "s16le", "-ar", str(sample_rate), "-ac", str(channels), "pipe:1"]
-    proc = subprocess.run(cmd, capture_output=True, check=True)
+    proc = subprocess.run(cmd, capture_output=True, check=True, start_new_session=True)  # as io/ffmpeg.py
     return np.frombuffer(proc.stdout, dtype="<i2").reshape(-1, channels)

@@ -26,7 +26,10 @@ def run_ffmpeg(args: list[str], what: str, stdin: bytes | memoryview | None = No
     import imageio_ffmpeg
 
     cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-y", "-loglevel", "error", *args]
-    proc = subprocess.run(cmd, input=stdin, capture_output=True, check=False)
+    # Its own session: a Ctrl-C in the terminal signals the whole foreground process group, and an encoder
+    # killed mid-write would fail the request the job is finishing as it stops (the chaos chain caught
+    # it). If we die, it reads EOF on its input and exits; the temporary it wrote is never renamed.
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, check=False, start_new_session=True)
     err = proc.stderr.decode(errors="replace").strip()
     if err:
         log.debug("ffmpeg (%s): %s", what, err)
