@@ -59,6 +59,13 @@ def main(jobs_path: Path, codes_path: Path) -> None:
         codes.append(_run_one([str(a) for a in args]))
     if rank == 0:
         codes_path.write_text(json.dumps(codes))
+    # Leave as a real worker does (cli.main -> leave_now: os._exit, no interpreter finalization). A process
+    # that ran several jobs can still hold a gloo process group of an earlier one when it finalizes; gloo's
+    # threads then release tensors after the interpreter is gone: "terminate called without an active
+    # exception", SIGABRT, after every job had passed (seen here in the world-2 and world-3 grids).
+    from cosmos3_batch.parallel.exit_codes import leave_now
+
+    leave_now(0)
 
 
 def run_here(args: list) -> int:
@@ -86,8 +93,11 @@ def torchrun_jobs(
     cmd += ["-m", "tests.dist.jobs", str(jobs_path), str(codes_path)]
     proc = subprocess.run(cmd, capture_output=True, timeout=timeout, env=ENV, input=stdin or b"")
     proc.stderr = proc.stderr.decode(errors="replace")
-    assert proc.returncode == 0 and codes_path.exists(), proc.stderr[-4000:]
     (folder / "stderr.txt").write_text(proc.stderr)  # each job's log, for a failing assertion to point at
+    # A rank killed by a signal ends its log with faulthandler's list of ~100 extension modules: drop that
+    # line so the message keeps the signal, the thread stacks and the launcher's verdict.
+    shown = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("Extension modules:"))
+    assert proc.returncode == 0 and codes_path.exists(), f"{shown[-6000:]}\n(whole log: {folder}/stderr.txt)"
     return json.loads(codes_path.read_text())
 
 

@@ -29,12 +29,13 @@ from tests.dist.jobs import ENV, run_here
 
 pytestmark = pytest.mark.dist
 SEED = 22
-# Enough work that each of the eleven stops lands one to three outputs into a run with more to do: 48
-# requests x 30 steps (a clean stop also finishes what is decoding: two to four outputs per run).
+# Enough work that each of the eleven stops lands one to three outputs into a run with more to do: 72
+# requests x 30 steps. A stop consumes more than the 1-3 it waits for (a clean stop also finishes what is
+# decoding, and a fast CPU finishes more in the seeded delay): 48 ran out on the tenth stop of one run here.
 ROWS = [
     {"id": f"s{i}", "prompt": "a lighthouse", "num_frames": 1 if i % 3 else 5, "size": "32x32"}
     | {"num_inference_steps": 30, "guidance_scale": 1.0 if i % 2 else 4.0}
-    for i in range(48)
+    for i in range(72)
 ]
 IDS = [row["id"] for row in ROWS]
 
@@ -108,7 +109,8 @@ def stop_midway(cmd, out: Path, stop, rng: random.Random, disk: Path | None) -> 
     wanted, delay = before + rng.randint(1, 3), rng.uniform(0.0, 0.3)
     deadline = time.monotonic() + 240
     while outputs_done(out) < wanted:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        ended = f"the job ended before its {stop.kind} stop ({before} of {len(IDS)} done when it started)"
+        assert proc.poll() is None, f"{ended}:\n{proc.stdout.read()[-3000:]}"
         assert time.monotonic() < deadline, "no output within 240 s"
         time.sleep(0.02)
     time.sleep(delay)
