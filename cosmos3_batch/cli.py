@@ -90,7 +90,7 @@ def run(
         bool,
         typer.Option(help="Regenerate requests whose outputs are already complete (default: skip them)."),
     ] = False,
-    device: Annotated[str, typer.Option(help="auto (GPU of LOCAL_RANK if any), cpu or cuda.")] = "auto",
+    device: Annotated[str, _opt("auto (LOCAL_RANK's GPU), cpu, cuda, cuda:N (all ranks on GPU N).")] = "auto",
     offload: Annotated[
         str,
         typer.Option(

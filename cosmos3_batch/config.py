@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,8 +70,12 @@ class RunConfig:
             raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if self.load_timeout_s <= 0:
             raise ValueError(f"--load-timeout-s must be > 0, got {self.load_timeout_s}")
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
+        if self.device.startswith("cuda:") and (self.sp > 1 or self.offload is OffloadMode.SHARDED):
+            # cuda:N puts every rank on one GPU, talking through gloo: no all-to-all or gather of device
+            # tensors there.
+            raise ValueError(f"--device {self.device} (ranks sharing one GPU) runs neither --sp nor sharded")
         if self.fp8_compute not in FP8_COMPUTE:
             raise ValueError(
                 f"--fp8-compute must be one of {', '.join(FP8_COMPUTE)}, got {self.fp8_compute!r}"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-GPU check of the design's numbers (H2D GB/s pageable vs pinned, GEN-layer compute at 480p/720p token
 # counts, local/allgather vs resident overlap, K=1 vs K=4, stall share from CUDA events, peak device
-# memory) on Nano-shaped layers with random bf16 weights, then tests/gpu. Nothing is downloaded. Fits in 8
-# minutes on one H200; prints markdown tables for docs/benchmarks.md.
+# memory) on Nano-shaped layers with random bf16 weights; then two ranks on the one GPU through gloo
+# against one process, host-device syncs per pass and the batched row budget at 720p (gpu/multi_rank.py);
+# then tests/gpu. Nothing is downloaded. Fits in 8 minutes on one H200; prints markdown tables for
+# docs/benchmarks.md.
 #
 #   bash scripts/gpu_check.sh [--layers 8] [--tmp DIR] [--out gpu_check.md]
 #
@@ -34,10 +36,13 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# The measurements get 300 s (the Python side stops starting sections at --budget-s; the shell kills it at
-# 320 s whatever happens, and tables already printed stay printed); tests/gpu gets what is left.
+# The single-process measurements get 250 s (the Python side stops starting sections at --budget-s; the
+# shell kills it at 260 s whatever happens, and tables already printed stay printed); the multi-rank ones
+# (two ranks on this one GPU through gloo, syncs per pass, the row budget at 720p) 120 s; tests/gpu gets
+# what is left.
 status=0
-timeout --signal=TERM --kill-after=10 320 "$py" "$ROOT/scripts/gpu/check.py" --budget-s 280 "$@" || status=$?
+timeout --signal=TERM --kill-after=10 260 "$py" "$ROOT/scripts/gpu/check.py" --budget-s 220 "$@" || status=$?
+timeout --signal=TERM --kill-after=10 120 "$py" "$ROOT/scripts/gpu/multi_rank.py" --device cuda:0 || status=$?
 left=$((TOTAL_S - (SECONDS - START)))
 echo
 echo "### tests/gpu"

@@ -8,6 +8,11 @@ Per fetch of part k into slot s:
     compute:      wait ready[s] (in `wait`), run the part, record slot_free[s] (in `release`)
 No host blocking and no device-wide synchronize in the steady state: only stream-event edges.
 
+Two paths go through a host thread and a pinned staging buffer per slot instead: `local` mode when the
+mapped files cannot be registered (the thread preads the part), and a staged AllGather when ranks share
+one GPU (`--device cuda:N`: the group is gloo, which has no in-place gather of CUDA tensors, so the thread
+gathers the part in host memory). The thread then issues the whole part's H2D on the copy stream.
+
 Timing: each of those steps is bracketed by a pair of timing events (copy and gather on their streams;
 on the compute stream one pair around the wait for ready[s], whose gap is the stall, and the gap from one
 wait's end to the next wait's start, which is compute). A pass's pairs are read at the end of a later pass
@@ -25,7 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from cosmos3_batch.engine.pinning import PinnedRegion, register_read_only
-from cosmos3_batch.engine.transport import Counters, FetchSource, OffloadMode, copy_in, gather, gathers
+from cosmos3_batch.engine.transport import (
+    Counters,
+    FetchSource,
+    OffloadMode,
+    copy_in,
+    gather,
+    gathers,
+    host_gather,
+)
 
 log = logging.getLogger(__name__)
 KIND_FIELD = {"stall": "stall_s", "compute": "compute_s", "gather": "collective_s", "copy": "h2d_s"}
@@ -39,6 +52,19 @@ class Span:
     kind: str  # a key of KIND_FIELD
     start: object  # timing events (torch.cuda.Event(enable_timing=True), or stand-ins)
     end: object
+
+
+class _HostMark:
+    """A host clock reading that reads like a timing event: a staged gather runs on a host thread."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostMark) -> float:
+        return (end.t - self.t) * 1000.0
 
 
 class _Issued:
@@ -75,11 +101,13 @@ class CudaBackend:
         self._copiers = None
         self._staging_jobs: list = []
         real = cuda is None
-        if source.mode is OffloadMode.ALLGATHER and (real or cudart is not None):
+        if source.mode is OffloadMode.ALLGATHER and not source.staged and (real or cudart is not None):
             self._pinned.append(PinnedRegion.of_tensor(source.host.arena, cudart))
         self.registered = False
         if source.mode is OffloadMode.LOCAL:
             self._setup_local(device, real, cudart)
+        elif source.staged:
+            self._setup_staging(device, real, cudart)
 
     def _setup_local(self, device, real: bool, cudart) -> None:
         # Where the driver allows it, DMA straight out of the page cache: register the mapped layer bytes
@@ -100,6 +128,10 @@ class CudaBackend:
             self.registered = True
             return
         log.info("local mode: the mapped checkpoint cannot be registered; staging through pinned buffers")
+        self._setup_staging(device, real, cudart)
+        self._copiers = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="dlo-memcpy")
+
+    def _setup_staging(self, device, real: bool, cudart) -> None:
         self._staging = [torch.empty(slot.numel(), dtype=torch.uint8) for slot in self.slots]
         if real or cudart is not None:
             self._pinned += [PinnedRegion.of_tensor(buf, cudart) for buf in self._staging]
@@ -107,7 +139,6 @@ class CudaBackend:
         # a context (and memory) on another rank's GPU.
         init = (lambda: torch.cuda.set_device(device)) if real else (lambda: None)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-stage", initializer=init)
-        self._copiers = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="dlo-memcpy")
 
     def _timed(self):
         # Also called from the staging thread: list.pop is atomic, a check-then-pop would not be.
@@ -126,7 +157,7 @@ class CudaBackend:
         self.slot_free[slot].record(self.compute)
 
     def submit(self, index: int, slot: int):
-        if self.source.mode is OffloadMode.LOCAL and not self.registered:
+        if self._worker is not None:  # staging: one host thread, fetches in submission order
             future = self._worker.submit(self._stage_and_copy, index, slot)
             self._staging_jobs = [f for f in self._staging_jobs if not f.done()] + [future]
             return future
@@ -155,6 +186,23 @@ class CudaBackend:
         # The previous H2D out of this staging buffer must be done before the host overwrites it: an
         # event wait on the host (one stream's progress), never a device-wide synchronize.
         self._staged[slot].synchronize()
+        spans = self._fill(index, staging)
+        with self.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.slot_free[slot])
+            start = self._mark(self.copy_stream)
+            self.slots[slot][: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
+            spans.append(Span("copy", start, self._mark(self.copy_stream)))
+            self._staged[slot].record(self.copy_stream)
+            self.ready[slot].record(self.copy_stream)
+        return spans
+
+    def _fill(self, index: int, staging: torch.Tensor) -> list[Span]:
+        """Put part `index` into the staging buffer, on the staging thread."""
+        if self.source.staged:
+            # Gathers run on this one thread in submission order, so every rank issues them in one order.
+            start = _HostMark()
+            host_gather(self.source, index, staging)
+            return [Span("gather", start, _HostMark())]
         # pread, not copies out of the mapping: a truncated file reads short instead of SIGBUS (FileReader).
         jobs = [
             self._copiers.submit(
@@ -165,14 +213,7 @@ class CudaBackend:
         ]
         for job in jobs:
             job.result()
-        with self.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.slot_free[slot])
-            start = self._mark(self.copy_stream)
-            self.slots[slot][: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
-            span = Span("copy", start, self._mark(self.copy_stream))
-            self._staged[slot].record(self.copy_stream)
-            self.ready[slot].record(self.copy_stream)
-        return [span]
+        return []
 
     def wait(self, handle, slot: int) -> None:
         spans = handle.result()  # local staging: the thread has issued its copy; else already issued
@@ -204,7 +245,7 @@ class CudaBackend:
             seconds = span.start.elapsed_time(span.end) / 1000.0  # milliseconds between the two records
             setattr(counters, field, getattr(counters, field) + seconds)
             seen[id(span.start)], seen[id(span.end)] = span.start, span.end
-        self._pool.extend(seen.values())
+        self._pool.extend(e for e in seen.values() if not isinstance(e, _HostMark))  # CUDA events only
 
     def close(self, timeout_s: float) -> bool:
         """Teardown, not the steady state: wait (with a deadline) for what the streams still hold, since
@@ -216,7 +257,8 @@ class CudaBackend:
             # Staging jobs issue copies: let them finish first, so the fences below come after them.
             _, stuck = wait(self._staging_jobs, timeout=timeout_s)
             self._worker.shutdown(wait=False, cancel_futures=True)
-            self._copiers.shutdown(wait=False, cancel_futures=True)
+            if self._copiers is not None:
+                self._copiers.shutdown(wait=False, cancel_futures=True)
             if stuck:
                 log.warning("a staging copy is still running %.0f s after the end: not waiting", timeout_s)
                 return False

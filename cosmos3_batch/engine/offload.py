@@ -97,6 +97,7 @@ class LayerOffload:
             raise ValueError("local mode streams the stored bytes: it cannot cast them to another dtype")
         self._verify_digest()
         source = FetchSource(config.mode, self.layouts, config.rank, config.world_size, group)
+        source.staged = _gathers_through_host(config, device, group)
         if config.mode is OffloadMode.LOCAL:
             source.local = [local_sources(layout, store) for layout in self.layouts]
             source.reader = FileReader([piece.path for pieces in source.local for piece in pieces])
@@ -222,6 +223,18 @@ class LayerOffload:
         clean = self.backend.close(self.config.close_timeout_s)
         if self.source.reader is not None and clean:  # a stuck copy may still read through its descriptors
             self.source.reader.close()
+
+
+def _gathers_through_host(config: OffloadConfig, device: torch.device, group) -> bool:
+    """Ranks sharing one GPU talk through gloo (NCCL refuses two ranks on a device), and gloo has no in-place
+    AllGather of CUDA tensors: an allgather part is then gathered in host memory and copied whole."""
+    if device.type != "cuda" or config.world_size == 1 or config.mode is OffloadMode.LOCAL:
+        return False
+    if dist.get_backend(group) != "gloo":
+        return False
+    if config.mode is OffloadMode.SHARDED:
+        raise ValueError("--offload sharded gathers device shards: it needs NCCL, not ranks sharing a GPU")
+    return True
 
 
 def slot_sizes(layouts: list[PartLayout], lanes: list[str], lane_slots: dict[str, int]) -> list[int]:

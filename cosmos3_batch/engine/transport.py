@@ -81,6 +81,9 @@ class FetchSource:
     host: HostShards | None = None  # allgather / sharded
     local: list[list[LocalPiece]] = field(default_factory=list)  # local: each part's pieces
     reader: FileReader | None = None  # local: host reads with pread (never loads from the mapping)
+    # allgather where ranks share one GPU (`--device cuda:N`): the group is gloo, which cannot gather CUDA
+    # tensors, so the part is gathered in host memory (`host_gather`) and crosses to the device whole.
+    staged: bool = False
 
 
 def fetch_bytes(src: FetchSource, index: int) -> tuple[int, int]:
@@ -89,6 +92,8 @@ def fetch_bytes(src: FetchSource, index: int) -> tuple[int, int]:
     if src.mode is OffloadMode.LOCAL:
         return layout.payload_bytes, 0
     gathered = layout.nbytes - layout.shard_bytes if src.world_size > 1 else 0
+    if src.staged:
+        return layout.nbytes, gathered
     return (layout.shard_bytes if src.mode is OffloadMode.ALLGATHER else 0), gathered
 
 
@@ -133,6 +138,12 @@ def gather(src: FetchSource, index: int, slot: torch.Tensor) -> None:
     lo, hi = layout.shard_range(src.rank)
     shard = buf[lo:hi] if src.mode is OffloadMode.ALLGATHER else src.host.shard(index)
     ALL_GATHER(buf, shard, group=src.group)
+
+
+def host_gather(src: FetchSource, index: int, out: torch.Tensor) -> None:
+    """A staged fetch's gather: every rank's host shard into `out` (host memory), one gloo AllGather."""
+    layout = src.layouts[index]
+    ALL_GATHER(out[: layout.nbytes], src.host.shard(index), group=src.group)
 
 
 def fill_slot(src: FetchSource, index: int, slot: torch.Tensor) -> tuple[float, float]:

@@ -80,13 +80,19 @@ class World:
 
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
-    """'auto' takes the GPU of this rank's LOCAL_RANK when CUDA exists, else the CPU."""
+    """'auto' takes the GPU of this rank's LOCAL_RANK when CUDA exists, else the CPU; 'cuda:N' GPU N for
+    every rank of the node (ranks sharing one GPU: init_world then connects them through gloo)."""
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible")
+        raise ValueError(f"--device {choice}: no CUDA device is visible")
     count = torch.cuda.device_count()
-    if local_rank >= count:
+    if choice.startswith("cuda:"):
+        index = int(choice.split(":", 1)[1])
+        if index >= count:
+            raise ValueError(f"--device {choice}: only {count} visible GPU(s)")
+        local_rank = index
+    elif local_rank >= count:
         # Two ranks on one GPU would fail later inside NCCL with a far less clear message.
         raise ValueError(f"LOCAL_RANK {local_rank} but only {count} visible GPU(s): lower --nproc-per-node")
     device = torch.device("cuda", local_rank)
@@ -152,10 +158,13 @@ def init_world(device_choice: str, timeout_s: float) -> World:
         logging.getLogger("cosmos3_batch").warning(warning)
     if world_size == 1:
         return World(device=device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # NCCL refuses two ranks on one GPU: ranks told to share one (--device cuda:N) talk through gloo, and the
+    # engine gathers their layer parts in host memory (engine/offload.py).
+    shared = device_choice.startswith("cuda:")
+    backend = "nccl" if device.type == "cuda" and not shared else "gloo"
     # The timeout is what turns a dead peer into an error on the survivors instead of a hang.
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     gather_group = dist.new_group(backend=backend, timeout=timeout)
     exchange_group = (
         dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)

@@ -3,8 +3,9 @@
 Every rank builds the model on the meta device, runs two passes (all parts, then GEN parts only) per mode,
 checks each part against the true tensors right after `acquire`, and writes `<out>/rank<r>.json`.
 
-Scenarios: `ok` (modes allgather, sharded, local); `shape` (rank 1 has its own checkpoint and model with one
-parameter of another shape); `world` / `world_less` (rank 1 configures the engine with world_size +/- 1).
+Scenarios: `ok` (modes allgather, sharded, local, and staged: allgather as ranks sharing one GPU run it);
+`shape` (rank 1 has its own checkpoint and model with one parameter of another shape); `world` /
+`world_less` (rank 1 configures the engine with world_size +/- 1).
 """
 
 from __future__ import annotations
@@ -76,6 +77,19 @@ def write_checkpoint(folder: Path, shapes: dict[str, tuple[tuple[int, int], int]
     save_file(tensors, str(folder / "model.safetensors"))
 
 
+def stage_through_host(engine: LayerOffload) -> None:
+    """The path of ranks sharing one GPU (`--device cuda:N`): the real CudaBackend on stand-in streams and
+    events, every part gathered by gloo in a host staging buffer, then copied whole into its slot."""
+    from cosmos3_batch.engine.cuda_backend import CudaBackend
+    from tests.unit.test_cuda_ordering import FakeCuda
+
+    engine.backend.close(1.0)
+    engine.source.staged = engine.config.world_size > 1  # as the engine decides it on a GPU (offload.py)
+    fake = FakeCuda()
+    engine.backend = CudaBackend(engine.source, engine.slots, "cpu", cuda=fake)
+    fake.backend = engine.backend
+
+
 def run_mode(mode: str, folder: Path, shapes: dict, rank: int, world_size: int) -> dict:
     truth = load_file(str(folder / "model.safetensors"))
     with torch.device("meta"):
@@ -83,8 +97,11 @@ def run_mode(mode: str, folder: Path, shapes: dict, rank: int, world_size: int) 
     binds = bindings(model)
     group = dist.new_group(backend="gloo")  # gathers on their own group, as the runner does
     # As the runner configures it: two GEN slots and one UND slot.
-    config = OffloadConfig(OffloadMode(mode), rank, world_size, lane_slots=(("gen", 2), ("und", 1)))
+    engine_mode = OffloadMode.ALLGATHER if mode == "staged" else OffloadMode(mode)
+    config = OffloadConfig(engine_mode, rank, world_size, lane_slots=(("gen", 2), ("und", 1)))
     engine = LayerOffload(binds, TensorStore(folder), config, torch.device("cpu"), group)
+    if mode == "staged":
+        stage_through_host(engine)
     passes = []
     try:
         for order in ORDERS:
@@ -128,7 +145,7 @@ def main() -> None:
         write_checkpoint(folder, shapes, seed=0)
     dist.barrier()  # the checkpoint is complete before anyone opens it
     result: dict = {"rank": rank, "world_size": world_size, "modes": [], "error": None}
-    modes = ["allgather", "sharded", "local"] if args.scenario == "ok" else ["allgather"]
+    modes = ["allgather", "sharded", "local", "staged"] if args.scenario == "ok" else ["allgather"]
     config_world = world_size + {"world": 1, "world_less": -1}.get(args.scenario, 0) if odd else world_size
     try:
         for mode in modes:

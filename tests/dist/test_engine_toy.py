@@ -1,6 +1,6 @@
 """`LayerOffload` under real `torchrun` + gloo on a toy 3-layer model built on the meta device.
 
-One launch per world size runs all three modes (start-up dominates the cost); counters and layouts are
+One launch per world size runs all four modes (start-up dominates the cost); counters and layouts are
 compared with values worked out by hand below, never with timings.
 """
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
 TIMEOUT_S = 120
 WORLDS = [1, 2, 3, 4]
-MODES = ["allgather", "sharded", "local"]
+MODES = ["allgather", "sharded", "local", "staged"]
 ORDERS = ([0, 1, 2, 3, 4, 5], [1, 3, 5])  # as in the worker: all parts, then the GEN parts only
 
 # Byte layout of the worker's parts, by hand (ALIGN = 256; dtype groups in order f32, bf16, f16):
@@ -54,7 +54,9 @@ def expected_counters(mode: str, world: int, order: list[int]) -> dict[str, int]
     full = sum(nbytes(half, world) for half in halves(order))
     shard = full // world
     gathered = full - shard if world > 1 and mode != "local" else 0
-    h2d = {"allgather": shard, "sharded": 0, "local": sum(PAYLOAD[half] for half in halves(order))}[mode]
+    local = sum(PAYLOAD[half] for half in halves(order))
+    # staged (ranks sharing one GPU): gathered in host memory, so the whole part crosses to the device.
+    h2d = {"allgather": shard, "sharded": 0, "local": local, "staged": full}[mode]
     return {"h2d_bytes": h2d, "gathered_bytes": gathered, "fetches": len(order)}
 
 
@@ -162,6 +164,11 @@ def test_hand_computed_values() -> None:
         "fetches": 3,
     }
     assert expected_counters("local", 3, [0, 1]) == {"h2d_bytes": 76 + 854, "gathered_bytes": 0, "fetches": 2}
+    assert expected_counters("staged", 3, [1, 3, 5]) == {
+        "h2d_bytes": 3 * 1536,
+        "gathered_bytes": 3 * 1024,
+        "fetches": 3,
+    }
 
 
 MISMATCH = [
