@@ -13,5 +13,8 @@ __version__ = "0.1.0"
 # With strict CNR a GEMM row's bits do not depend on the thread count, and from a few rows on not on how
 # many rows share the call: what makes --sp shards and batched branches exact on any x86-64 CPU.
 STRICT_CNR = "AUTO,STRICT"
-CNR_SET_BY_US = "MKL_CBWR" not in os.environ
-os.environ.setdefault("MKL_CBWR", STRICT_CNR)
+# Inherited with MKL_CBWR by the processes we start (cosmos3-torchrun's workers), so they report it as ours.
+CNR_MARK = "COSMOS3_BATCH_SET_MKL_CBWR"
+CNR_SET_BY_US = "MKL_CBWR" not in os.environ or os.environ.get(CNR_MARK) == os.environ["MKL_CBWR"]
+if "MKL_CBWR" not in os.environ:
+    os.environ["MKL_CBWR"] = os.environ[CNR_MARK] = STRICT_CNR

@@ -17,7 +17,7 @@ PROBE = (
 
 
 def _probe(**env: str | None) -> str:
-    environ = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    environ = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", cosmos3_batch.CNR_MARK)}
     environ.update({k: v for k, v in env.items() if v is not None})
     return subprocess.run(
         [sys.executable, "-c", PROBE], env=environ, capture_output=True, text=True, check=True
@@ -31,6 +31,30 @@ def test_the_project_sets_strict_cnr_when_the_user_did_not():
 def test_a_users_mode_wins_and_an_empty_one_means_mkls_default():
     assert _probe(MKL_CBWR="COMPATIBLE").split() == ["COMPATIBLE", "COMPATIBLE"]
     assert _probe(MKL_CBWR="").split() == ["OFF"]  # MKL_CBWR= : the opt-out, MKL's own default
+
+
+def test_a_child_of_ours_reports_the_mode_as_ours_and_a_users_equal_mode_as_theirs():
+    # cosmos3-torchrun imports the package, which sets MKL_CBWR; its workers inherit it and must still say
+    # that the project set it (summary.json cpu_numerics.set_by).
+    probe = "import cosmos3_batch; print(cosmos3_batch.CNR_SET_BY_US)"
+    base = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", cosmos3_batch.CNR_MARK)}
+    launcher = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, cosmos3_batch; "
+            f"sys.exit(subprocess.run([sys.executable, '-c', {probe!r}]).returncode)",
+        ],
+        env=base,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert launcher.stdout.strip() == "True"
+    user = subprocess.run(
+        [sys.executable, "-c", probe], env={**base, "MKL_CBWR": "AUTO,STRICT"}, capture_output=True, text=True
+    )
+    assert user.stdout.strip() == "False"
 
 
 def test_this_test_process_runs_under_the_policy():
