@@ -256,8 +256,8 @@ class _Walk:
         return x + self._avg_down(block.avg_shortcut, x_copy)
 
     def _avg_down(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """AvgDown3D.forward, its mean taken as in the whole (`mean_as_in_whole`)."""
-        if len(self.shard.sizes) == 1:
+        """AvgDown3D.forward, on CPU its mean taken as in the whole (`mean_as_in_whole`)."""
+        if len(self.shard.sizes) == 1 or x.device.type != "cpu":
             return mod(x)
         ft, fs = mod.factor_t, mod.factor_s
         x = F.pad(x, (0, 0, 0, 0, (ft - x.shape[2] % ft) % ft, 0))

@@ -4,7 +4,7 @@ exchange model/vae_patch.py asks for, over a process group.
 A `PatchGroup` is P ranks of one process group (its group ranks 0..P-1; the group may hold more: the encode
 runs on the `--sp` group, whose every rank needs the encoded latent). A walk binds it to the cut it uses
 (`bind(shard)`); ranks past the used shards take part only in the whole-group calls (`broadcast`,
-`agree`), so a decode that is too small to split costs its idle ranks nothing.
+`share_int`), so a decode that is too small to split costs its idle ranks nothing.
 
 Point-to-point only between used shards, and never both directions of a pair at once (NCCL would
 deadlock there without a group call): the halo moves downwards, then upwards; the whole-frame attention
@@ -53,14 +53,6 @@ class PatchGroup:
         opts.rootRank, opts.rootTensor = root, 0
         self.pg.broadcast([tensor], opts).wait()
         return tensor
-
-    def agree(self, flag: bool) -> bool:
-        """`flag` AND-ed over every rank of pg."""
-        tensor = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self.pg.allreduce([tensor], opts).wait()
-        return bool(tensor.item())
 
     def share_int(self, value: int, root: int = 0) -> int:
         """`value` of pg rank `root`, on every rank of pg."""
