@@ -3,9 +3,9 @@
 Decode (the finisher thread). Every rank of the group runs the same requests in lockstep, so every one
 finishes them in the same order; the first P submit each to their finisher (the group's first rank writes,
 the other P - 1 only decode), which therefore walks the same decodes in the same order on every member,
-on a process group of its own (parallel/vae_group.py) that nothing else uses. A decode opens with one
-broadcast of the writer's latents and of the cut, so the members decode one tensor one way; latents that
-are not finite then fail the request on every member alike, before any other collective. The writer
+on a process group of its own (parallel/vae_group.py) that nothing else uses. A decode opens with a
+broadcast of the writer's latents (then one of the cut), so the members decode one tensor one way;
+latents that are not finite fail the request on every member alike, before any other collective. The writer
 gathers the decoded frames.
 
 Encode (the pass loop's thread, at admission: I2V / V2V conditioning and action canvases). Every rank
