@@ -55,6 +55,7 @@ SP_HELP = (
     "heads, and divide or be a multiple of the key/value heads. Lower latency per long clip; plain data "
     "parallelism (1, the default) gives more outputs per GPU-hour."
 )
+VAE_PP_HELP = "P ranks (P divides --sp) decode and encode each request together: ~1/P decode memory per rank."
 PROMPTS_HELP = (
     "Request files: .jsonl (one object per line), .json (an array of objects, or one), .parquet or .csv "
     "(columns = request fields); several files or quoted globs ('prompts/*.json'); - reads JSONL from "
@@ -144,6 +145,7 @@ def run(
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "checkpoint",
     vae_dtype: Annotated[str, typer.Option(help=VAE_DTYPE_HELP)] = "checkpoint",
     sp: Annotated[int, typer.Option("--sp", help=SP_HELP)] = 1,
+    vae_patch_parallel_size: Annotated[int, typer.Option(help=VAE_PP_HELP)] = 1,
     samples_per_prompt: Annotated[int, typer.Option(help=SAMPLES_HELP)] = 1,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
@@ -182,6 +184,7 @@ def run(
             dtype=dtype,
             vae_dtype=vae_dtype,
             sp=sp,
+            vae_patch_parallel_size=vae_patch_parallel_size,
             samples_per_prompt=samples_per_prompt,
             prompt_column=prompt_column,
             id_column=id_column,
@@ -232,6 +235,7 @@ def plan(
     prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = RULE.max_wait,
     prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = RULE.lookahead,
     sp: Annotated[int, typer.Option("--sp", help="As `run --sp`: plan groups of S ranks per request.")] = 1,
+    vae_patch_parallel_size: Annotated[int, _opt("As `run`: the decode's time and memory per rank.")] = 1,
     samples_per_prompt: Annotated[int, typer.Option(help="As `run --samples-per-prompt`.")] = 1,
     dtype: Annotated[
         str, typer.Option(help="As `run --dtype`: the bytes moved and held per rank.")
@@ -252,7 +256,6 @@ def plan(
     from cosmos3_batch.plan import planner
     from cosmos3_batch.plan.hardware import Hardware, preset, with_overrides
     from cosmos3_batch.plan.prefill import PrefillRule
-    from cosmos3_batch.requests.fields import MAX_SAMPLES
     from cosmos3_batch.requests.sources import STDIN, Columns
 
     stdin = sys.stdin.buffer.read() if STDIN in prompts else None
@@ -263,14 +266,11 @@ def plan(
             hbm_gbps=hbm_gbps, device_gib=device_gib, host_gib_per_node=host_gib,
         )  # fmt: skip
         rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead)
-        if not 1 <= samples_per_prompt <= MAX_SAMPLES:
-            raise ValueError(
-                f"--samples-per-prompt must be >= 1 and <= {MAX_SAMPLES}, got {samples_per_prompt}"
-            )
         doc, text = planner.plan_job(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
+            vae_parts=vae_patch_parallel_size,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -48,6 +48,9 @@ class RunConfig:
     batch_branches: bool | None = None  # None: batched off CPU, per branch on CPU (the bit-exact path)
     max_batch_rows: int = MAX_BATCH_ROWS  # rows per batched group (a longer sequence still runs whole)
     sp: int = 1  # sequence-parallel group size (DESIGN.md §11): each request's GEN tokens over S ranks
+    vae_patch_parallel_size: int = (
+        1  # P | S ranks of a group decode/encode a request together (DESIGN.md §15)
+    )
     samples_per_prompt: int = 1  # requests naming no "samples" fan out into this many (DESIGN.md §13)
     prompt_column: str | None = None  # table inputs: the column holding the prompt / the id
     id_column: str | None = None
@@ -62,6 +65,13 @@ class RunConfig:
             raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
         if self.sp < 1:
             raise ValueError(f"--sp must be >= 1, got {self.sp}")
+        if self.vae_patch_parallel_size < 1 or self.sp % self.vae_patch_parallel_size:
+            raise ValueError(
+                f"--vae-patch-parallel-size {self.vae_patch_parallel_size} must divide --sp {self.sp}: the "
+                "ranks that decode a request together are ranks of its --sp group"
+            )
+        if self.vae_patch_parallel_size > 1 and self.vae_tiling:
+            raise ValueError("--vae-tiling decodes in tiles on one rank: use it or --vae-patch-parallel-size")
         if self.max_batch_rows < 1:
             raise ValueError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
         if self.max_vision_tokens < 1:

@@ -68,6 +68,9 @@ class RequestJob:
         self.weight_bytes = 0.0  # this request's share of the weight traffic of the passes it rode on
         self.stall_s = 0.0
         self.error: str | None = None  # set when a layer's compute failed for this request mid-pass
+        # --vae-patch-parallel-size: the request's files read ahead of `prepare` (pipeline/vae_team.py)
+        self.input_error: str | None = None
+        self._inputs: tuple | None = None
         # Admission: where latency_s starts (and queue_s ends).
         self.admitted_at = time.time()
         self.admitted_perf = time.perf_counter()
@@ -82,12 +85,42 @@ class RequestJob:
         return self.step_index >= len(self.timesteps)
 
     @property
+    def last_step(self) -> bool:
+        """The next finish_step is the request's last."""
+        return self.step_index + 1 >= len(self.timesteps)
+
+    @property
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 
     # ---- admission ---------------------------------------------------------------------------------
 
+    def load_inputs(self) -> None:
+        """Read the conditioning image or video (and an action file) now; a failure is kept for `prepare`."""
+        r = self.request
+        try:
+            media = None
+            if r.image is not None:
+                media = self._load_image()
+            elif r.video is not None:
+                media = self._load_video()
+            raw = None
+            if r.action is not None and r.action.actions is not None:
+                from cosmos3_batch.requests.actions import load_actions
+
+                raw = torch.from_numpy(load_actions(r.action))
+            self._inputs = (media, raw)
+        except Exception as exc:
+            self.input_error = f"{type(exc).__name__}: {exc}"
+
+    def _media(self):
+        if self._inputs is not None:
+            return self._inputs[0]
+        return self._load_image() if self.request.image is not None else self._load_video()
+
     def prepare(self) -> None:
+        if self.input_error is not None:
+            raise RequestFailed(self.input_error)
         start = time.perf_counter()
         r, helper = self.request, self.ctx.helper
         cond_ids, uncond_ids = tokenize(helper, r)
@@ -116,19 +149,19 @@ class RequestJob:
             raise RequestFailed(f"{r.action.mode}: this checkpoint's transformer has no action_gen")
         if r.sound:
             self._require_sound()
-        conditioning = self._load_image() if r.image is not None else self._load_video()
+        raw = self._inputs[1] if self._inputs is not None else None
         with self.ctx.encode_lock:  # the canvas encode, on the encoder view: never behind a decode
-            return action_latents(self.ctx, r, conditioning, generator)
+            return action_latents(self.ctx, r, self._media(), generator, raw)
 
     def _initial_latents(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         r, ctx = self.request, self.ctx
         if r.image is None and r.video is None:
             return self._noise_latents(generator)
         if r.image is not None:
-            conditioning = {"image": self._load_image()}
+            conditioning = {"image": self._media()}
         else:
             conditioning = {
-                "video": self._load_video(),
+                "video": self._media(),
                 "condition_frame_indexes_vision": list(r.condition_frames),
                 "condition_video_keep": r.condition_video_keep,
             }
@@ -305,10 +338,13 @@ class RequestJob:
 
     # ---- finish ------------------------------------------------------------------------------------
 
-    def decode(self) -> Result:
+    def decode(self) -> Result | None:
+        """None on a rank that decodes with its group's writer (--vae-patch-parallel-size) but is not it."""
         start = time.perf_counter()
         self.branches = []  # drop the UND caches before the VAE needs the memory
-        latents = self.latents
+        team = self.ctx.vae_team
+        # A group decode: the writer's latents on every member, so that all of them decide alike below.
+        latents = self.latents if team is None else team.share(self.latents)
         if not torch.isfinite(latents).all():
             raise RequestFailed("latents contain NaN or inf after denoising; nothing was written")
         helper, vae = self.ctx.helper, self.ctx.vae
@@ -316,7 +352,10 @@ class RequestJob:
         inv_std = helper._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype)
         z_raw = latents.to(vae.dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
         with self.ctx.vae_lock:
-            decoded = vae.decode(z_raw).sample.to(latents.dtype)
+            decoded = vae.decode(z_raw).sample if team is None else team.decode(z_raw)
+        if decoded is None:
+            return None
+        decoded = decoded.to(latents.dtype)
         frames = helper.video_processor.postprocess_video(decoded, output_type="np")[0]
         result = Result(latents=latents.cpu(), frames=frames)
         self._decode_streams(result)

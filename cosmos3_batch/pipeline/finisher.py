@@ -31,14 +31,15 @@ class Finisher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finisher", initializer=init)
         self._pending: list[Future] = []
 
-    def submit(self, job: RequestJob) -> None:
-        """Decode and write a request whose last step has been issued."""
+    def submit(self, job: RequestJob, write: bool = True) -> None:
+        """Decode and write a request whose last step has been issued; `write=False`: decode only (a rank that
+        decodes with its --vae-patch-parallel-size group's writer; it reports nothing)."""
         ready = None
         if self._side is not None:
             # The last scheduler step was issued on the compute stream: decode only after it has run.
             ready = self.cuda.Event()
             ready.record(self.cuda.current_stream(self.device))
-        self._queue(self._finish, job, ready)
+        self._queue(self._finish, job, ready, write)
 
     def fail(self, job: RequestJob, error: str) -> None:
         """Record a failure found by the loop, in order with the writes, without waiting for them."""
@@ -54,7 +55,7 @@ class Finisher:
         return sum(not f.done() for f in self._pending)
 
     @torch.no_grad()  # grad mode is per thread
-    def _finish(self, job: RequestJob, ready) -> None:
+    def _finish(self, job: RequestJob, ready, write: bool = True) -> None:
         try:
             if ready is None:
                 result = job.decode()
@@ -70,9 +71,11 @@ class Finisher:
                 # again under the running kernels. Wait for this one stream (error path only; not a
                 # device-wide sync) before letting go of them.
                 self._side.synchronize()
-            self.report(job, None, f"{type(exc).__name__}: {exc}")
+            if write:  # else the group's writer reports it (a broken group ends the job: vae_team.py)
+                self.report(job, None, f"{type(exc).__name__}: {exc}")
             return
-        self.report(job, result, None)
+        if write:
+            self.report(job, result, None)
 
     def close(self) -> None:
         """Wait until every submitted request is decoded and reported (at the end of the run only)."""

@@ -29,9 +29,11 @@ from cosmos3_batch.model.limits import limits_for
 from cosmos3_batch.model.loading import transformer_rule, validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
+from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.exit_codes import ExitCode, exit_as_one
 from cosmos3_batch.parallel.seq_group import build_seq_group
 from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
+from cosmos3_batch.parallel.vae_group import build_decode_group
 from cosmos3_batch.parallel.world import World, init_world, teardown
 from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
@@ -41,6 +43,7 @@ from cosmos3_batch.pipeline.results import ResultWriter, output_key
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import preview, rank_report
+from cosmos3_batch.pipeline.vae_team import build_team
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
@@ -100,6 +103,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     try:  # --sp must fit the model's heads (named first: the fix is in the model) and the ranks
         check_model(cfg.sp, checkpoint.config("transformer"))
         check_world(cfg.sp, world_size)
+        check_patchable(checkpoint.config("vae"), cfg.vae_patch_parallel_size)
         check_dtypes(cfg, checkpoint)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
@@ -202,6 +206,10 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
     # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
     mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
     seq_group = build_seq_group(world.rank, world.world_size, cfg.sp, world.device, cfg.collective_timeout_s)
+    parts = cfg.vae_patch_parallel_size
+    decode_group = build_decode_group(
+        world.rank, world.world_size, cfg.sp, parts, world.device, cfg.collective_timeout_s
+    )
     if world.is_main and spans_nodes(cfg.sp, world.local_world_size):
         log.warning(
             "--sp %d does not divide the %d ranks per node: some groups' all-to-alls cross nodes",
@@ -219,6 +227,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
         dtype=cfg.dtype,
         vae_dtype=cfg.vae_dtype,
     )
+    ctx.vae_team = build_team(ctx, parts, seq_group, decode_group)
     # Loading has no collective; the first ones after it (the layout digest, the shard reads' end) wait with
     # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
     world.wait_for_ranks(cfg.load_timeout_s, "loading")

@@ -35,6 +35,7 @@ from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
+from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
@@ -162,6 +163,9 @@ class PassRunner:
         # others waiting in an all-to-all, so it ends the job (as a dead rank does) instead of one request.
         self.sp = sp
         self.leads = sp is None or sp.leads
+        # --vae-patch-parallel-size: the group's first P ranks decode each finished request together.
+        self.team = ctx.vae_team
+        self.decodes = self.team is not None and self.team.decodes
         if sp is not None:
             sp.note = self.sync.note
         # --max-batch-rows: a batched group's transient (MLP gate/up/product above all) grows with its rows.
@@ -196,6 +200,8 @@ class PassRunner:
         groups = self.sync.world_size // (1 if self.sp is None else self.sp.size)
         world_slots = groups * self.max_active  # an --sp group's slots count once
         while True:
+            if self.team is not None:
+                self.team.check()  # a group decode broke on this rank: end the job (pipeline/vae_team.py)
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
             report = slots.report(len(active))
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
@@ -230,7 +236,10 @@ class PassRunner:
             slots.ready.extend(self._drop_failed(prefill))
             # The pass may have read changed bytes: its steps are taken (an --sp group's collectives stay
             # aligned) but nothing it finished is submitted; the next exchange stops every rank.
-            active = self._finish(active, submit=not self._checkpoint_changed())
+            submit = not self._checkpoint_changed()
+            if self.team is not None and any(job.last_step for job in active):
+                submit = self.sp.agree([submit])[0]  # every decoding rank submits the same requests
+            active = self._finish(active, submit=submit)
 
     def _checkpoint_changed(self) -> bool:
         """After a pass, before anything it computed is submitted: are the checkpoint's files as loaded?
@@ -253,15 +262,18 @@ class PassRunner:
             self.on_progress(1)
 
     def _admit(self, requests: list[Request]) -> list[RequestJob]:
-        jobs, errors = [], []
-        for request in requests:
-            job = RequestJob(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
+        jobs = [RequestJob(self.ctx, request, und_cache=self.und_cache, sp=self.sp) for request in requests]
+        if self.team is not None and jobs:  # the group encodes together: agree on the files first
+            agree_inputs(jobs, self.sp)
+        errors = []
+        for job in jobs:
             try:
                 job.prepare()
                 errors.append(None)
+            except GroupBroken:  # the group's collectives would misalign: end the job
+                raise
             except Exception as exc:  # a bad request must not take the job down
                 errors.append(_describe(exc))
-            jobs.append(job)
         if self.sp is not None and requests:
             # A request that failed to prepare on one rank of the group (a read error, out of memory) is
             # dropped on all of them: the group's all-to-alls must carry the same requests.
@@ -363,6 +375,8 @@ class PassRunner:
                 job.branches = []
                 if self.leads:
                     self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
+                elif self.decodes:
+                    self.finisher.submit(job, write=False)  # decodes with the writer (vae_team.py)
             else:
                 still.append(job)
         return still

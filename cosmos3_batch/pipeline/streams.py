@@ -112,15 +112,16 @@ def mask_velocities(vision_pred, vision_mask, streams: list[ExtraStream], extra_
     return velocities
 
 
-def action_condition(request, conditioning):
+def action_condition(request, conditioning, raw: torch.Tensor | None = None):
     """The reference's `CosmosActionCondition` for an action request; `conditioning` is the PIL image or the
-    load_video frames."""
+    load_video frames; `raw` the given actions if already read."""
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
     from cosmos3_batch.requests.actions import load_actions
 
     spec = request.action
-    raw = torch.from_numpy(load_actions(spec)) if spec.actions is not None else None
+    if raw is None and spec.actions is not None:
+        raw = torch.from_numpy(load_actions(spec))
     media = {"video": conditioning} if request.video is not None else {"image": conditioning}
     return CosmosActionCondition(
         mode=spec.mode,
@@ -133,7 +134,7 @@ def action_condition(request, conditioning):
     )
 
 
-def action_latents(ctx, request, conditioning, generator: torch.Generator):
+def action_latents(ctx, request, conditioning, generator: torch.Generator, raw: torch.Tensor | None = None):
     """(vision latents, vision condition mask, [sound stream,] action stream) from the pipeline's own
     `prepare_latents`: the padded canvas encode, the given/generated action tokens, and the noise of every
     modality in the reference's order (vision, sound, action)."""
@@ -146,7 +147,7 @@ def action_latents(ctx, request, conditioning, generator: torch.Generator):
         generator=generator,
         device=ctx.device,
         dtype=torch.float32,
-        action=action_condition(request, conditioning),
+        action=action_condition(request, conditioning, raw),
     )
     (
         latents,

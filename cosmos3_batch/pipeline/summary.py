@@ -43,6 +43,7 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "world_trace": runner.sync.world_trace_digest,  # the all-reduce and part fetches: equal everywhere
         "sp_group": runner.sp.index if runner.sp is not None else world.rank,
         "all_to_alls": runner.sp.all_to_alls if runner.sp is not None else 0,
+        **_vae_counts(runner.team),
         "abandoned": [job.request.id for job in runner.abandoned],
         "unwritten": writer.unwritten,  # decoded when the job stopped for a full disk: not written
         "not_started": len(runner.not_started),
@@ -84,6 +85,7 @@ def build_summary(
             "offload": cfg.offload.value,
             "world_size": world.world_size,
             "sp": cfg.sp,
+            "vae_patch_parallel_size": cfg.vae_patch_parallel_size,
             "device": str(world.device),
             # What a comparison run must also use (docs/running.md, "Compute dtype").
             "dtype": cfg.dtype,
@@ -93,6 +95,16 @@ def build_summary(
         "versions": versions(),
         # On CPU the bits depend on MKL's reproducibility mode: what a comparison run must also use.
         "cpu_numerics": cpu_numerics() if world.device.type == "cpu" else None,
+    }
+
+
+def _vae_counts(team) -> dict:
+    """--vae-patch-parallel-size: split walks this rank took part in, and the tensors it sent in them."""
+    groups = [] if team is None else [g for g in (team.decoding, team.encoding) if g is not None]
+    return {
+        "vae_split_decodes": team.split_decodes if team is not None else 0,
+        "vae_split_encodes": team.split_encodes if team is not None else 0,
+        "vae_messages": sum(g.messages for g in groups),
     }
 
 

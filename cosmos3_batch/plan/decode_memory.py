@@ -13,17 +13,24 @@ about 1.5 GB.
 
 Decoding every latent frame would take seconds per plan on a long clip, and the steady state repeats:
 the peak is measured at 3 and 4 latent frames and extended linearly (what grows is the output alone).
+
+With --vae-patch-parallel-size P the same count runs over the group's own walk (model/vae_patch.py) of the
+largest shard, on its first rank: that rank also receives the other shards' halos, computes the mid-block
+attention on the whole frame and gathers the decoded frames, so its peak is the group's largest. The
+decode's FLOPs come from the same meta walks (torch's FlopCounterMode), for `plan`'s roofline time.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from cosmos3_batch.model.vae_patch import Shard, decode_shard
+from cosmos3_batch.model.vae_shards import ShapeExchange, meta_vae, shard_sizes, split_dim
 
 TILE = 256  # pixels: diffusers' default tile_sample_min_height/width for AutoencoderKLWan
 
@@ -50,33 +57,63 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-@functools.lru_cache(maxsize=16)
-def _vae(config_json: str, dtype: torch.dtype):
-    from diffusers import AutoencoderKLWan
-
-    with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config(json.loads(config_json))
-    for param in vae.parameters():  # not vae.to(dtype): diffusers warns about that on every call
-        param.data = param.data.to(dtype)
-    return vae.eval().requires_grad_(False)
+def cut_for(latent_h: int, latent_w: int, parts: int) -> Shard:
+    """The cut a group of `parts` uses on a GPU (the pixel floor alone: model/vae_shards.py), shard 0."""
+    dim = split_dim(latent_h, latent_w)
+    length, across = (latent_h, latent_w) if dim == 3 else (latent_w, latent_h)
+    return Shard(dim, shard_sizes(length, across, parts), 0)
 
 
-def _measured(vae, latent_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    meter = _LiveBytes()
+def _walk(vae, latent_shape: tuple[int, ...], dtype: torch.dtype, parts: int) -> None:
+    """One decode on meta tensors: diffusers' own at P = 1, else the first rank's share of a group's."""
     z = torch.empty(latent_shape, device="meta", dtype=dtype)
-    with torch.no_grad(), meter:
+    cut = cut_for(latent_shape[3], latent_shape[4], parts)
+    if len(cut.sizes) == 1:
         vae.decode(z)
+        return
+    exchange = ShapeExchange(cut)
+    exchange.collect(decode_shard(vae, cut.of(z), cut, exchange), cut.dim)
+
+
+def _measured(vae, latent_shape: tuple[int, ...], dtype: torch.dtype, parts: int = 1) -> int:
+    meter = _LiveBytes()
+    with torch.no_grad(), meter:
+        _walk(vae, latent_shape, dtype, parts)
     return meter.peak
+
+
+def _flops(vae, latent_shape: tuple[int, ...], dtype: torch.dtype, parts: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        _walk(vae, latent_shape, dtype, parts)
+    return counter.get_total_flops()
+
+
+def _per_frames(measure, shape: tuple[int, ...], latent_t: int) -> int:
+    """`measure(shape with T latent frames)` at `latent_t` frames: measured up to 4, else extended linearly
+    from 3 and 4 (the steady state repeats per frame)."""
+    at = lambda t: measure((*shape[:2], t, *shape[3:]))  # noqa: E731
+    if latent_t <= 4:
+        return at(latent_t)
+    at3, at4 = at(3), at(4)
+    return at4 + (at4 - at3) * (latent_t - 4)
 
 
 @functools.lru_cache(maxsize=64)
 def decode_peak_bytes(
-    vae_config_json: str, width: int, height: int, frames: int, dtype: torch.dtype, tiled: bool = False
+    vae_config_json: str,
+    width: int,
+    height: int,
+    frames: int,
+    dtype: torch.dtype,
+    tiled: bool = False,
+    parts: int = 1,
 ) -> int:
-    """Peak device bytes of decoding one `frames` x `height` x `width` output with this VAE config. Tiled
-    (`--vae-tiling`): one tile's decode at most TILE x TILE pixels, plus the whole output twice (the decoded
-    tiles and the blended frames)."""
-    vae = _vae(vae_config_json, dtype)
+    """Peak device bytes of decoding one `frames` x `height` x `width` output with this VAE config (on the
+    busiest rank of a group of `parts`). Tiled (`--vae-tiling`): one tile's decode at most TILE x TILE
+    pixels, plus the whole output twice (the decoded tiles and the blended frames)."""
+    vae = meta_vae(vae_config_json, dtype)
     cfg = vae.config
     spatial, temporal = cfg.scale_factor_spatial, cfg.scale_factor_temporal
     latent_t = (frames - 1) // temporal + 1
@@ -84,12 +121,22 @@ def decode_peak_bytes(
     if tiled:
         width, height = min(width, TILE), min(height, TILE)
     shape = (1, cfg.z_dim, 0, height // spatial, width // spatial)
-    if latent_t <= 4:
-        peak = _measured(vae, (*shape[:2], latent_t, *shape[3:]), dtype)
-    else:
-        at3, at4 = (_measured(vae, (*shape[:2], t, *shape[3:]), dtype) for t in (3, 4))
-        peak = at4 + (at4 - at3) * (latent_t - 4)
+    peak = _per_frames(lambda s: _measured(vae, s, dtype, parts), shape, latent_t)
     if tiled:
         tile_output = 3 * frames * height * width * dtype.itemsize
         peak += 2 * output - tile_output
     return int(peak)
+
+
+@functools.lru_cache(maxsize=64)
+def decode_flops(
+    vae_config_json: str, width: int, height: int, frames: int, dtype: torch.dtype, parts: int
+) -> int:
+    """FLOPs of one untiled decode on the busiest rank of a group of `parts` (its shard and, on the first
+    rank, the mid-block attention over whole frames)."""
+    vae = meta_vae(vae_config_json, dtype)
+    cfg = vae.config
+    latent_t = (frames - 1) // cfg.scale_factor_temporal + 1
+    spatial = cfg.scale_factor_spatial
+    shape = (1, cfg.z_dim, 0, height // spatial, width // spatial)
+    return _per_frames(lambda s: _flops(vae, s, dtype, parts), shape, latent_t)

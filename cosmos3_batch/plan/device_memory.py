@@ -3,7 +3,9 @@ VAE decode, and the CUDA runtime's own (docs/scale.md, "Device memory")."""
 
 from __future__ import annotations
 
-from cosmos3_batch.plan.decode_memory import decode_peak_bytes
+import json
+
+from cosmos3_batch.plan.decode_memory import cut_for, decode_flops, decode_peak_bytes
 from cosmos3_batch.plan.model_shape import ModelShape
 from cosmos3_batch.plan.row_budget import largest_group
 from cosmos3_batch.requests.parse import Request
@@ -46,11 +48,32 @@ def runtime_overhead_bytes(world_size: int, sp: int) -> int:
     return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES
 
 
-def decode_bytes(shape: ModelShape, requests: list[Request], tiled: bool) -> int:
-    """The finisher's peak for the largest output (one decode at a time, on the compute device)."""
+def _largest(requests: list[Request]) -> Request:
+    return max(requests, key=lambda r: (r.width * r.height * r.num_frames, r.id))
+
+
+def decode_bytes(shape: ModelShape, requests: list[Request], tiled: bool, parts: int = 1) -> int:
+    """The finisher's peak for the largest output (one decode at a time, on the compute device), on the
+    busiest rank of a --vae-patch-parallel-size group of `parts`."""
     if not shape.vae_config_json or not requests:
         return 0
-    big = max(requests, key=lambda r: (r.width * r.height * r.num_frames, r.id))
+    big = _largest(requests)
     return decode_peak_bytes(
-        shape.vae_config_json, big.width, big.height, big.num_frames, shape.vae_dtype, tiled
+        shape.vae_config_json, big.width, big.height, big.num_frames, shape.vae_dtype, tiled, parts
     )
+
+
+def decode_seconds(
+    shape: ModelShape, requests: list[Request], parts: int, tflops: float, gbps: float
+) -> float:
+    """Roofline seconds of the largest output's decode on the busiest rank of a group of `parts`: its FLOPs
+    at `tflops`, plus the decoded frames of the other shards gathered at `gbps` (the halos are rows)."""
+    if not shape.vae_config_json or not requests or tflops <= 0:
+        return 0.0
+    big = _largest(requests)
+    flops = decode_flops(shape.vae_config_json, big.width, big.height, big.num_frames, shape.vae_dtype, parts)
+    output = 3 * big.num_frames * big.width * big.height * shape.vae_dtype.itemsize
+    spatial = int(json.loads(shape.vae_config_json).get("scale_factor_spatial", 16))
+    cut = cut_for(big.height // spatial, big.width // spatial, parts)
+    gathered = output * (1 - cut.sizes[0] / sum(cut.sizes))
+    return flops / (tflops * 1e12) + (gathered / (gbps * 1e9) if gbps > 0 else 0.0)

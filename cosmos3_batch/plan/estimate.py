@@ -32,6 +32,12 @@ class Estimate:
     # layer_weights, resident_weights, activations, batched_transient, vae_decode, runtime_overhead.
     device_breakdown: dict[str, int] = field(default_factory=dict)
     vae_tiling: bool = False
+    # The largest output's VAE decode on the busiest rank (roofline seconds), at --vae-patch-parallel-size
+    # `vae_parts` and, for comparison, unsplit (its bytes: device_breakdown["vae_decode"] and below).
+    vae_parts: int = 1
+    decode_s: float = 0.0
+    decode_s_unsplit: float = 0.0
+    decode_bytes_unsplit: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,9 +19,15 @@ from cosmos3_batch.engine.layout import PartLayout
 from cosmos3_batch.engine.offload import slot_sizes
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
+from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
-from cosmos3_batch.plan.device_memory import activation_bytes, decode_bytes, runtime_overhead_bytes
+from cosmos3_batch.plan.device_memory import (
+    activation_bytes,
+    decode_bytes,
+    decode_seconds,
+    runtime_overhead_bytes,
+)
 from cosmos3_batch.plan.estimate import Estimate
 from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
@@ -49,8 +55,10 @@ def estimate(
     sp: int = 1,
     max_batch_rows: int | None = MAX_BATCH_ROWS,
     vae_tiling: bool = False,
+    vae_parts: int = 1,
 ) -> Estimate:
-    """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget."""
+    """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget.
+    `vae_parts`: --vae-patch-parallel-size."""
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
     shards = sum(p.shard_bytes for p in shape.parts)
@@ -92,7 +100,7 @@ def estimate(
         "resident_weights": shape.device_resident_bytes + shape.vae_bytes,
         "activations": kept,
         "batched_transient": transient,
-        "vae_decode": decode_bytes(shape, requests, vae_tiling),
+        "vae_decode": decode_bytes(shape, requests, vae_tiling, vae_parts),
         "runtime_overhead": runtime_overhead_bytes(world_size, sp),
     }
     device = sum(breakdown.values())
@@ -106,8 +114,12 @@ def estimate(
         world_size, nnodes, mode.value, max_active, slot, slots, layer_bytes, host_private,
         layer_bytes if mode is OffloadMode.LOCAL else 0,
         device, activations, h2d, gathered, pass_s, outputs_per_hour, job_hours, assignment.idle_share, [],
-        sp, a2a.all_to_all_bytes, a2a.all_to_all_s, breakdown, vae_tiling,
+        sp, a2a.all_to_all_bytes, a2a.all_to_all_s, breakdown, vae_tiling, vae_parts,
     )  # fmt: skip
+    if not vae_tiling:  # the roofline of the decode, and the unsplit figures beside a group's
+        est.decode_s = decode_seconds(shape, requests, vae_parts, hw.tflops, hw.gather_gbps)
+        est.decode_s_unsplit = decode_seconds(shape, requests, 1, hw.tflops, hw.gather_gbps)
+        est.decode_bytes_unsplit = decode_bytes(shape, requests, False)
     est.warnings = _warnings(est, per_node, hw)
     return est
 
@@ -164,8 +176,8 @@ def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
         )
         if not est.vae_tiling and decode > est.device_bytes_per_rank / 4:
             fix = (
-                f"the VAE decode alone needs {decode / 2**30:.1f} GiB: --vae-tiling decodes in tiles "
-                f"(not bit-exact), or {fix}"
+                f"the VAE decode alone needs {decode / 2**30:.1f} GiB: --vae-patch-parallel-size splits it "
+                f"over an --sp group (bit-exact), --vae-tiling decodes in tiles (not bit-exact), or {fix}"
             )
         total = est.device_bytes_per_rank / 2**30
         notes.append(f"device memory {total:.1f} GiB > --device-gib {hw.device_gib:g}: {fix}")
@@ -248,6 +260,7 @@ def plan_job(
     vae_dtype: str = "checkpoint",
     max_batch_rows: int | None = MAX_BATCH_ROWS,
     vae_tiling: bool = False,
+    vae_parts: int = 1,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id."""
@@ -256,16 +269,24 @@ def plan_job(
     from cosmos3_batch.model.limits import limits_for
     from cosmos3_batch.plan.schedule import describe as describe_schedule
     from cosmos3_batch.plan.schedule import in_shard, parse_shard
+    from cosmos3_batch.requests.fields import MAX_SAMPLES
     from cosmos3_batch.requests.parse import ModelLimits, load_requests
 
     if nproc < 1 or nnodes < 1 or nproc % nnodes:
         raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise ValueError(f"--samples-per-prompt must be >= 1 and <= {MAX_SAMPLES}, got {samples}")
+    if vae_parts < 1 or sp % vae_parts or (vae_parts > 1 and vae_tiling):
+        raise ValueError(
+            f"--vae-patch-parallel-size {vae_parts} must divide --sp {sp} (and excludes --vae-tiling)"
+        )
     mode = parse_offload(offload)
     groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
     source = resolve_model(model) if model is not None else None
     checkpoint = Checkpoint.open(source.path) if source is not None else None
     if checkpoint is not None:
         check_model(sp, checkpoint.config("transformer"))
+        check_patchable(checkpoint.config("vae"), vae_parts)
     limits = (
         limits_for(checkpoint, max_vision_tokens)
         if checkpoint
@@ -306,7 +327,7 @@ def plan_job(
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(
             shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp,
-            max_batch_rows, vae_tiling,
+            max_batch_rows, vae_tiling, vae_parts,
         )  # fmt: skip
         doc["estimate"] = est.to_dict()
         if not plan_text.resolvable(est):

@@ -49,6 +49,16 @@ def describe(est: Estimate) -> str:
             f"{_size(est.bytes_h2d_per_pass)} H2D, {_size(est.bytes_gathered_per_pass)} gathered",
         ),
     ]
+    if est.decode_s > 0:
+        decode = (
+            f"{est.decode_s:.3g} s (roofline), {_size(est.device_breakdown.get('vae_decode', 0))} per rank"
+        )
+        if est.vae_parts > 1:
+            decode += (
+                f" at --vae-patch-parallel-size {est.vae_parts} (one rank: {est.decode_s_unsplit:.3g} s, "
+                f"{_size(est.decode_bytes_unsplit)})"
+            )
+        rows.append(("VAE decode, largest output", decode))
     if est.sp > 1:
         rows.append(
             (

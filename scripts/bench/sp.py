@@ -1,4 +1,5 @@
-"""--sp 1 / 2 / 4 side by side: latency of one long request and time per output on a batch, in one run.
+"""--sp 1 / 2 / 4 (and --vae-patch-parallel-size) side by side: latency of one long request and time per
+output on a batch, in one run.
 
     python scripts/bench/sp.py [--world 4] [--quick] [--keep DIR]
 
@@ -9,11 +10,16 @@ divides --world:
 * long: one 512x512, 17-frame video (1,280 GEN tokens), CFG on: what --sp is for;
 * batch: 8 shorter videos (256x256, 9 frames: 192 GEN tokens each): what data parallelism is for.
 
-Per row: the request latency (metrics.csv latency_s: admission to files written; the long request's, or
-the batch's mean), its denoise time (denoise_s: first to last step, the part --sp splits; the VAE decode
-after it is not split), the pass-loop seconds (max over ranks of summary.json pass_s: weight waits + layer
-compute + all-to-alls), the job's wall time (load and VAE decode included), outputs per minute, the
-all-to-alls per rank, and whether every output's latents equal --sp 1's bit for bit. Nothing is asserted.
+The long request runs at every --sp with --vae-patch-parallel-size P = 1 (the group's first rank
+decodes) and P = S (the group decodes it together, DESIGN.md §15).
+
+Per row: P, the request latency (metrics.csv latency_s: admission to files written; the long request's, or
+the batch's mean), its denoise time (denoise_s: first to last step, the part --sp splits), its VAE decode
+time (decode_s, on the writing rank; split over P ranks) and decode peak per rank (the busiest rank's,
+measured by running the same walk on meta tensors: plan/decode_memory.py, float32), the pass-loop seconds
+(max over ranks of summary.json pass_s: weight waits + layer compute + all-to-alls), the job's wall time
+(load and VAE decode included), outputs per minute, the all-to-alls per rank, and whether every output's
+latents and files equal --sp 1's bit for bit. Nothing is asserted.
 On a CPU box with fewer cores than ranks, ranks share cores: the ratios then say how the work splits, not
 what a GPU per rank would give.
 """
@@ -47,11 +53,14 @@ def workloads(quick: bool) -> dict[str, list[dict]]:
     return {"long": long, "batch": batch}
 
 
-def run_one(folder: Path, model: Path, prompts: Path, world: int, sp: int, max_active: int) -> dict:
-    out = folder / f"out-sp{sp}-{prompts.stem}"
+def run_one(
+    folder: Path, model: Path, prompts: Path, world: int, sp: int, max_active: int, parts: int = 1
+) -> dict:
+    out = folder / f"out-sp{sp}-p{parts}-{prompts.stem}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(model), "--out", str(out)]
     cmd += ["--sp", str(sp), "--max-active", str(max_active), "--save-latents", "--no-progress"]
+    cmd += ["--vae-patch-parallel-size", str(parts)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
     wall = time.perf_counter() - started
@@ -65,6 +74,7 @@ def run_one(folder: Path, model: Path, prompts: Path, world: int, sp: int, max_a
         "out": out,
         "latency_s": sum(latencies) / len(latencies),
         "denoise_s": sum(float(row["denoise_s"]) for row in rows) / len(rows),
+        "decode_s": sum(float(row["decode_s"]) for row in rows) / len(rows),
         "pass_s": max(r["pass_s"] for r in summary["ranks"]),
         "wall_s": wall,
         "outputs_per_min": 60 * len(latencies) / wall,
@@ -72,14 +82,28 @@ def run_one(folder: Path, model: Path, prompts: Path, world: int, sp: int, max_a
     }
 
 
-def same_latents(a: Path, b: Path) -> bool:
+def same_outputs(a: Path, b: Path) -> bool:
     import torch
     from safetensors.torch import load_file
 
     files = sorted(p.name for p in a.glob("*.latents.safetensors"))
-    return bool(files) and all(
-        torch.equal(load_file(a / name)["latents"], load_file(b / name)["latents"]) for name in files
+    media = sorted(p.name for p in a.glob("*.png")) + sorted(p.name for p in a.glob("*.mp4"))
+    return (
+        bool(files)
+        and all(torch.equal(load_file(a / name)["latents"], load_file(b / name)["latents"]) for name in files)
+        and all((a / name).read_bytes() == (b / name).read_bytes() for name in media)
     )
+
+
+def decode_gib(model: Path, row: dict, parts: int) -> float:
+    """The busiest rank's decode peak for this request (the walk on meta tensors), float32."""
+    import torch
+
+    from cosmos3_batch.plan.decode_memory import decode_peak_bytes
+
+    width, height = (int(v) for v in row["size"].split("x"))
+    config = (model / "vae" / "config.json").read_text()
+    return decode_peak_bytes(config, width, height, row["num_frames"], torch.float32, False, parts) / 2**30
 
 
 def main() -> None:
@@ -99,23 +123,24 @@ def main() -> None:
     subprocess.run(make, check=True, env=ENV, cwd=ROOT, capture_output=True)
     sps = [s for s in (1, 2, 4) if args.world % s == 0]
     print(f"world {args.world}, model layers={layers} hidden={hidden} intermediate={inter} 8 heads / 2 KV")
-    header = f"{'workload':8} {'--sp':>4} {'latency s':>10} {'denoise s':>9} {'pass s':>8} {'wall s':>8}"
-    header += f" {'out/min':>8}"
+    header = f"{'workload':8} {'--sp':>4} {'P':>2} {'latency s':>10} {'denoise s':>9} {'decode s':>8}"
+    header += f" {'dec GiB/rk':>10} {'pass s':>8} {'wall s':>8} {'out/min':>8}"
     print(header + f" {'a2a/rank':>9} {'denoise x':>9} {'bit-exact':>9}")
     for name, rows in workloads(args.quick).items():
         prompts = folder / f"{name}.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
         base = None
-        for sp in sps:
+        for sp, parts in [(s, p) for s in sps for p in sorted({1, s} if name == "long" else {1})]:
             # One request: one slot is all it needs. The batch: 2 per DP group.
-            m = run_one(folder, model, prompts, args.world, sp, 1 if name == "long" else 2)
+            m = run_one(folder, model, prompts, args.world, sp, 1 if name == "long" else 2, parts)
             base = base or m
-            exact = "yes" if same_latents(base["out"], m["out"]) else "NO"
+            exact = "yes" if same_outputs(base["out"], m["out"]) else "NO"
             speedup = base["denoise_s"] / m["denoise_s"]
+            gib = decode_gib(model, rows[0], parts)
             print(
-                f"{name:8} {sp:>4} {m['latency_s']:>10.2f} {m['denoise_s']:>9.2f} {m['pass_s']:>8.2f} "
-                f"{m['wall_s']:>8.2f} {m['outputs_per_min']:>8.2f} {m['all_to_alls']:>9} {speedup:>8.2f}x "
-                f"{exact:>9}"
+                f"{name:8} {sp:>4} {parts:>2} {m['latency_s']:>10.2f} {m['denoise_s']:>9.2f} "
+                f"{m['decode_s']:>8.2f} {gib:>10.3f} {m['pass_s']:>8.2f} {m['wall_s']:>8.2f} "
+                f"{m['outputs_per_min']:>8.2f} {m['all_to_alls']:>9} {speedup:>8.2f}x {exact:>9}"
             )
 
 

@@ -13,11 +13,14 @@ asserts its own counts (passes, collectives, bytes), which would carry over if a
     python -m torch.distributed.run --nproc-per-node N -m tests.dist.jobs JOBS.json CODES.json
 
 JOBS.json holds a list of argument lists for `cosmos3_batch` (e.g. ["run", "p.jsonl", "--out", ...]);
-rank 0 writes the exit code of each job, in order, to CODES.json.
+rank 0 writes the exit code of each job, in order, to CODES.json. A list that starts with
+CAPTURE_FRAMES, DIR also saves each written request's decoded frames (float, before they become bytes)
+as DIR/<id>.npy, from the rank that writes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,6 +29,7 @@ import sys
 from pathlib import Path
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+CAPTURE_FRAMES = "--test-capture-frames"  # not a flag of ours: _run_one strips it
 
 
 def free_port() -> int:
@@ -37,11 +41,40 @@ def free_port() -> int:
 def _run_one(args: list[str]) -> int:
     from cosmos3_batch.cli import app
 
+    capture = None
+    if args[:1] == [CAPTURE_FRAMES]:
+        capture, args = Path(args[1]), args[2:]
     try:
-        app(args, prog_name="cosmos3_batch")
+        with _frames_saved(capture):
+            app(args, prog_name="cosmos3_batch")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     return 0
+
+
+@contextlib.contextmanager
+def _frames_saved(folder: Path | None):
+    """While a job runs: every result the writer is handed also goes to folder/<id>.npy (its float frames)."""
+    if folder is None:
+        yield
+        return
+    import numpy as np
+
+    from cosmos3_batch.pipeline.results import ResultWriter
+
+    write = ResultWriter.__call__
+
+    def saving(self, job, result, error):
+        if result is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            np.save(folder / f"{job.request.id}.npy", result.frames)
+        return write(self, job, result, error)
+
+    ResultWriter.__call__ = saving
+    try:
+        yield
+    finally:
+        ResultWriter.__call__ = write
 
 
 def main(jobs_path: Path, codes_path: Path) -> None:

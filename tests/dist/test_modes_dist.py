@@ -60,7 +60,9 @@ def job(tmp_path_factory, tiny_av_ckpt, cond_image) -> tuple[Path, dict]:
 
 # world -> its configurations (offload, --max-active, --sp), run in one launch (tests/dist/jobs.py).
 CONFIGS = {
-    2: [("allgather", 3, 1), ("allgather", 3, 2)],  # --sp 2: sound/action rows split too
+    # --sp 2: sound/action rows split too, and their VAE encodes and decodes shared by the group (the
+    # action canvases are 256 pixels wide: split in two; 32x32 outputs are too small and decode whole).
+    2: [("allgather", 3, 1), ("allgather", 3, 2)],
     3: [("local", 1, 1)],
 }
 
@@ -73,6 +75,7 @@ def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_s
         out = tmp_path / f"{mode}-{max_active}-{sp}"
         jobs.append(["run", prompts, "--model", tiny_av_ckpt, "--out", out, "--offload", mode, "--sp", sp])
         jobs[-1] += ["--save-latents", "--max-active", max_active, "--no-progress"]
+        jobs[-1] += ["--vae-patch-parallel-size", sp]
     codes = torchrun_jobs(world_size, jobs, tmp_path / "launch")
     for (mode, max_active, sp), code in zip(CONFIGS[world_size], codes, strict=True):
         assert code == 0, (mode, sp, (tmp_path / "launch" / "stderr.txt").read_text()[-3000:])
@@ -90,3 +93,6 @@ def test_modes_under_torchrun_are_bit_exact(job, tmp_path, tiny_av_ckpt, world_s
         summary = json.loads((out / "summary.json").read_text())
         assert summary["generated_ok"] == len(ROWS)
         assert_lockstep(summary, world_size)
+        if sp == 2:  # the three action requests' canvases (256 wide) are encoded by the group, split
+            assert [r["vae_split_encodes"] for r in summary["ranks"]] == [3, 3]
+            assert len({r["vae_split_decodes"] for r in summary["ranks"]}) == 1

@@ -1,11 +1,16 @@
 """`--sp S` in real `torchrun` jobs with gloo on CPU: bit-exact against `Cosmos3OmniPipeline.__call__` in
 every offload mode, collectives identical within each group and the world-wide ones identical on every
-rank, the pass count the simulator predicted, and a killed rank ending the job."""
+rank, the pass count the simulator predicted, and a killed rank ending the job. `--vae-patch-parallel-size`
+rides the same launches: decoded frames (float), latents (the I2V / V2V encode feeds them) and files equal
+a run without it."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
@@ -14,9 +19,10 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
+from cosmos3_batch.model.vae_shards import shard_sizes, split_dim
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
-from tests.dist.jobs import torchrun_jobs
+from tests.dist.jobs import CAPTURE_FRAMES, run_here, torchrun_jobs
 from tests.dist.test_runs import kill_rank_1_midrun
 from tests.reference import reference_kwargs
 
@@ -38,6 +44,26 @@ ROWS = [
     {"id": "sq", "prompt": "a street", "size": "128x128", "num_frames": 1, "num_inference_steps": 1,
      "guidance_scale": 6.0},
 ]  # fmt: skip
+
+
+# --vae-patch-parallel-size: latents (H/16 x W/16) cut along the longer side, at P = 2 / P = 4: an image
+# 8x8 (4+4 / 2x4 rows), an odd height 13x7 (7+6 / 4+3+3+3), a video cut along its width 8x16 (8+8 / 4x4), an
+# I2V 8x8 (its conditioning encode split too), a V2V 4x8 (4+4 / the same two shards: two members idle) and
+# an image too small to split (the writer decodes it alone).
+ROOT = Path(__file__).resolve().parents[2]
+VAE_ROWS = [
+    {"id": "vimg", "prompt": "snow", "size": "128x128", "num_frames": 1, "num_inference_steps": 1},
+    {"id": "vodd", "prompt": "a train", "size": "112x208", "num_frames": 5, "num_inference_steps": 1,
+     "guidance_scale": 1.0},
+    {"id": "vvid", "prompt": "a cat", "size": "256x128", "num_frames": 9, "num_inference_steps": 2,
+     "guidance_scale": 4.0},
+    {"id": "vi2v", "prompt": "swirl", "image": "first_frame.png", "size": "128x128", "num_frames": 5,
+     "num_inference_steps": 1, "guidance_scale": 1.0},
+    {"id": "vv2v", "prompt": "drift", "video": "clip.mp4", "size": "128x64", "num_frames": 9,
+     "num_inference_steps": 1, "guidance_scale": 1.0},
+    {"id": "vsmall", "prompt": "dot", "size": "32x32", "num_frames": 1, "num_inference_steps": 1},
+]  # fmt: skip
+VAE_CONFIGS = {2: [(2, 2)], 4: [(2, 2), (4, 4)]}  # (sp, P) by launch
 
 
 def stderr_tail(err: str) -> str:
@@ -76,6 +102,70 @@ def reference(tiny8, prompts):
         return out
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def vae_prompts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vae")
+    for name in ("first_frame.png", "clip.mp4"):
+        shutil.copy(ROOT / "examples" / name, folder / name)
+    return write_jsonl(folder / "vae.jsonl", VAE_ROWS)
+
+
+@pytest.fixture(scope="module")
+def vae_reference(tiny8, vae_prompts, tmp_path_factory):
+    """The same requests without the flag, in this process: latents, float frames and files."""
+    out = tmp_path_factory.mktemp("vae-ref")
+    args = [CAPTURE_FRAMES, out / "frames", "run", vae_prompts, "--model", tiny8, "--out", out]
+    assert run_here([*args, "--save-latents", "--no-progress"]) == 0
+    return out
+
+
+def vae_job(vae_prompts, tiny8, out: Path, sp: int, parts: int) -> list:
+    args = [CAPTURE_FRAMES, out / "frames", "run", vae_prompts, "--model", tiny8, "--out", out, "--sp", sp]
+    return [*args, "--vae-patch-parallel-size", parts, "--save-latents", "--no-progress"]
+
+
+def split_counts(parts: int) -> tuple[int, int]:
+    """Requests whose decode / whose conditioning encode the cut gives more than one shard."""
+    decodes = encodes = 0
+    for row in VAE_ROWS:
+        w, h = (int(v) // 16 for v in row["size"].split("x"))
+        length, across = (h, w) if split_dim(h, w) == 3 else (w, h)
+        split = len(shard_sizes(length, across, parts)) > 1
+        decodes += split
+        encodes += split and ("image" in row or "video" in row)
+    return decodes, encodes
+
+
+def check_vae_run(reference: Path, out: Path, world: int, sp: int, parts: int) -> None:
+    for row in VAE_ROWS:
+        rid = row["id"]
+        latents = load_file(out / f"{rid}.latents.safetensors")["latents"]
+        assert torch.equal(latents, load_file(reference / f"{rid}.latents.safetensors")["latents"]), rid
+        frames = np.load(out / "frames" / f"{rid}.npy")
+        assert frames.dtype == np.float32 and np.array_equal(
+            frames, np.load(reference / "frames" / f"{rid}.npy")
+        )
+        name = f"{rid}.png" if row["num_frames"] == 1 else f"{rid}.mp4"
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generated_ok"] == len(VAE_ROWS) and summary["config"]["vae_patch_parallel_size"] == parts
+    ranks = summary["ranks"]
+    groups = [ranks[g * sp : (g + 1) * sp] for g in range(world // sp)]
+    decodes, encodes = split_counts(parts)
+    for members in groups:
+        # The first P ranks decode together (a cut of fewer shards leaves the last idle); the others of the
+        # group take no part.
+        counts = [r["vae_split_decodes"] for r in members]
+        assert counts[0] == counts[1] and all(c <= counts[0] for c in counts[:parts])
+        assert all(c == 0 for c in counts[parts:])
+        # Every rank of the group calls each encode (it needs the result): equal counts.
+        assert len({r["vae_split_encodes"] for r in members}) == 1
+        assert len({r["collective_trace"] for r in members}) == 1
+    assert sum(members[0]["vae_split_decodes"] for members in groups) == decodes
+    assert sum(members[0]["vae_split_encodes"] for members in groups) == encodes
+    assert all(r["vae_messages"] > 0 for members in groups for r in members[:2])
 
 
 def plan_passes(prompts, ckpt, world: int, sp: int, mode: str) -> dict:
@@ -144,9 +234,11 @@ def batched_branches_and_a_failed_write(tiny8, reference, folder):
 # Both under the exact marker: the second instruction-set pass of scripts/test.sh runs them again.
 @pytest.mark.exact
 @pytest.mark.parametrize("world", sorted(CONFIGS))
-def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, world):
+def test_sp_is_bit_exact_and_in_lockstep(
+    tiny8, prompts, reference, vae_prompts, vae_reference, tmp_path, world
+):
     """Every (sp, offload) of this world size in one launch; at world 2, batched branches and a failed
-    write under --sp too."""
+    write under --sp too; then --vae-patch-parallel-size."""
     jobs = []
     for sp, mode in CONFIGS[world]:
         out = tmp_path / f"sp{sp}-{mode}"
@@ -158,13 +250,20 @@ def test_sp_is_bit_exact_and_in_lockstep(tiny8, prompts, reference, tmp_path, wo
         args, check = batched_branches_and_a_failed_write(tiny8, reference, tmp_path / "batched")
         jobs.append(args)
         checks.append(check)
-    codes = torchrun_jobs(world, jobs, tmp_path / "launch")
+    vae = [(sp, parts, tmp_path / f"vae-sp{sp}-p{parts}") for sp, parts in VAE_CONFIGS[world]]
+    codes = torchrun_jobs(
+        world, jobs + [vae_job(vae_prompts, tiny8, out, sp, p) for sp, p, out in vae], tmp_path / "launch"
+    )
+    codes, vae_codes = codes[: len(jobs)], codes[len(jobs) :]
     stderr = tmp_path / "launch" / "stderr.txt"
     for (sp, mode), code in zip(CONFIGS[world], codes, strict=False):
         assert code == 0, (sp, mode, stderr_tail(stderr.read_text()))
         check_sp_run(prompts, tiny8, reference, tmp_path / f"sp{sp}-{mode}", world, sp, mode)
     for check, code in zip(checks, codes[len(CONFIGS[world]) :], strict=True):
         check(code)
+    for (sp, parts, out), code in zip(vae, vae_codes, strict=True):
+        assert code == 0, (sp, parts, stderr_tail(stderr.read_text()))
+        check_vae_run(vae_reference, out, world, sp, parts)
 
 
 def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):
@@ -173,8 +272,9 @@ def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):
         for i in range(4)
     ]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    # The group's second rank, mid-request: its leader waits on it in an all-to-all.
-    args = [str(prompts), "--model", str(tiny8), "--sp", "2"]
+    # The group's second rank, mid-request: its leader waits on it in an all-to-all (or, its decodes shared
+    # with --vae-patch-parallel-size, in a decode's halo exchange).
+    args = [str(prompts), "--model", str(tiny8), "--sp", "2", "--vae-patch-parallel-size", "2"]
     survivor, seconds, stderr = kill_rank_1_midrun(args, tmp_path / "out")
     assert survivor.returncode != 0
     assert seconds < 90

@@ -1,0 +1,161 @@
+"""The transport of a group decode or encode (`--vae-patch-parallel-size P`, DESIGN.md §15): the halo
+exchange model/vae_patch.py asks for, over a process group.
+
+A `PatchGroup` is P ranks of one process group (its group ranks 0..P-1; the group may hold more: the encode
+runs on the `--sp` group, whose every rank needs the encoded latent). A walk binds it to the cut it uses
+(`bind(shard)`); ranks past the used shards take part only in the whole-group calls (`broadcast`,
+`share_int`), so a decode that is too small to split costs its idle ranks nothing.
+
+Point-to-point only between used shards, and never both directions of a pair at once (NCCL would
+deadlock there without a group call): the halo moves downwards, then upwards; the whole-frame attention
+is gathered to the first shard, computed there once (the reference's call), and its rows sent back;
+the decoded frames go to the first shard's rank, the writer. Every used shard issues these in the same
+order because they walk the same modules; a decode runs on the finisher thread with a process group of
+its own, the encode on the pass loop's thread with the `--sp` group's, so neither interleaves with the
+other's messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cosmos3_batch.model.vae_patch import Shard
+from cosmos3_batch.parallel.sequence import group_ranks
+
+
+@dataclass
+class PatchGroup:
+    pg: object  # a ProcessGroup (from new_group, or one built directly in tests)
+    index: int  # this rank's rank in pg
+    parts: int  # P: the first P ranks of pg decode (or encode) together
+    size: int  # ranks in pg (>= P)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    messages: int = 0  # point-to-point tensors sent by this rank (exact: the tests count them)
+    sent_bytes: int = 0
+
+    @property
+    def member(self) -> bool:
+        return self.index < self.parts
+
+    def bind(self, shard: Shard) -> _Bound:
+        """The exchange of this rank's shard of `shard.sizes` (this rank must be one of the used shards)."""
+        assert self.index < len(shard.sizes)
+        return _Bound(self, Shard(shard.dim, shard.sizes, self.index))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """`tensor` from pg rank `root` on every rank of pg, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        self.pg.broadcast([tensor], opts).wait()
+        return tensor
+
+    def share_int(self, value: int, root: int = 0) -> int:
+        """`value` of pg rank `root`, on every rank of pg."""
+        return int(self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device), root).item())
+
+    def _send(self, tensor: torch.Tensor, to: int):
+        tensor = tensor.contiguous()
+        self.messages += 1
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        return self.pg.send([tensor], to, 0), tensor  # the tensor is kept alive until the send is waited on
+
+    def _recv(self, like: torch.Tensor, rows: int, dim: int, source: int):
+        shape = list(like.shape)
+        shape[dim] = rows
+        buffer = like.new_empty(shape)
+        return self.pg.recv([buffer], source, 0), buffer
+
+
+class _Bound:
+    """`Exchange` (model/vae_patch.py) for one walk of one shard."""
+
+    def __init__(self, group: PatchGroup, shard: Shard):
+        self.group, self.shard = group, shard
+        self.used = len(shard.sizes)
+
+    def halo(self, x, dim, before, after):
+        k = self.shard.index
+        top = self._step(x, dim, before, to=k + 1, source=k - 1, send_last=True)
+        bottom = self._step(x, dim, after, to=k - 1, source=k + 1, send_last=False)
+        return top, bottom
+
+    def _step(self, x, dim, rows: int, to: int, source: int, send_last: bool):
+        """One direction: my edge rows to `to`, the same count from `source` (out-of-range: nobody)."""
+        if not rows:
+            return None
+        g, works, got = self.group, [], None
+        if 0 <= to < self.used:
+            edge = x.narrow(dim, x.shape[dim] - rows if send_last else 0, rows)
+            works.append(g._send(edge, to))
+        if 0 <= source < self.used:
+            work, got = g._recv(x, rows, dim, source)
+            works.append((work, got))
+        for work, _ in works:
+            work.wait()
+        return got
+
+    def on_whole(self, x, dim, fn: Callable[[torch.Tensor], torch.Tensor]):
+        if self.used == 1:
+            return fn(x)
+        g, shard = self.group, self.shard
+        scale = x.shape[dim] // shard.rows
+        if shard.index:
+            g._send(x, 0)[0].wait()
+            work, mine = g._recv(x, shard.rows * scale, dim, 0)
+            work.wait()
+            return mine
+        whole = fn(torch.cat([x, *self._gather(x, dim, scale)], dim))
+        start = shard.rows * scale
+        sends = []
+        for k in range(1, self.used):
+            rows = shard.sizes[k] * scale
+            sends.append(g._send(whole.narrow(dim, start, rows), k))
+            start += rows
+        for work, _ in sends:
+            work.wait()
+        return whole.narrow(dim, 0, shard.rows * scale).contiguous()
+
+    def collect(self, x, dim):
+        if self.used == 1:
+            return x
+        if self.shard.index:
+            self.group._send(x, 0)[0].wait()
+            return None
+        scale = x.shape[dim] // self.shard.rows
+        return torch.cat([x, *self._gather(x, dim, scale)], dim)
+
+    def _gather(self, x, dim, scale) -> list[torch.Tensor]:
+        """On the first shard: every other shard's x, in order."""
+        works = [self.group._recv(x, self.shard.sizes[k] * scale, dim, k) for k in range(1, self.used)]
+        for work, _ in works:
+            work.wait()
+        return [buffer for _, buffer in works]
+
+
+def build_decode_group(
+    rank: int, world_size: int, sp: int, parts: int, device: torch.device, timeout_s: float
+) -> PatchGroup | None:
+    """The decode team of this rank's --sp group: its first P ranks, on a process group of their own (the
+    finisher thread's). Every rank creates every team's group, in the same order (torch requires it of
+    `new_group`); None on the group's other ranks and at P = 1."""
+    if parts == 1:
+        return None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = None
+    for ranks in group_ranks(world_size, sp):
+        team = ranks[:parts]
+        group = dist.new_group(team, backend=backend, timeout=timedelta(seconds=timeout_s))
+        if rank in team:
+            mine = PatchGroup(group, team.index(rank), parts, parts, device)
+    return mine
+
+
+def encode_group(seq_pg, sp_rank: int, sp: int, parts: int, device: torch.device) -> PatchGroup | None:
+    """The encode team: the first P ranks of the --sp group, on the group's own process group (the pass
+    loop's thread issues both its all-to-alls and the encodes of the requests it admits)."""
+    return None if parts == 1 else PatchGroup(seq_pg, sp_rank, parts, sp, device)

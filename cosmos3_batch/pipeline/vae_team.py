@@ -1,0 +1,165 @@
+"""A request's VAE decode and encode shared by the first P ranks of its `--sp` group (DESIGN.md §15).
+
+Decode (the finisher thread). Every rank of the group runs the same requests in lockstep, so every one
+finishes them in the same order; the first P submit each to their finisher (the group's first rank writes,
+the other P - 1 only decode), which therefore walks the same decodes in the same order on every member,
+on a process group of its own (parallel/vae_group.py) that nothing else uses. A decode opens with a
+broadcast of the writer's latents (then one of the cut), so the members decode one tensor one way;
+latents that are not finite fail the request on every member alike, before any other collective. The writer
+gathers the decoded frames.
+
+Encode (the pass loop's thread, at admission: I2V / V2V conditioning and action canvases). Every rank
+of the group prepares each admitted request, so every one calls the VAE's `encode`; the encode view's
+VAE (pipeline/context.py) is given `VaeTeam.encode` instead, which runs the split walk on the first P
+ranks over the group's own process group and broadcasts the result to all S. Before it, the runner has
+read each admitted request's files on every rank and agreed on them (`agree_inputs`): a file one rank
+cannot read fails that request on every rank before any encode.
+
+A failure inside a split walk, after its first collective, leaves the members at different points of the
+same sequence of messages: none of them may issue another one. The team is then broken on that rank (its
+later decodes fail at once, with no collective), and the pass loop raises at its next pass, which ends
+the job as a dead rank does: its peers' collectives fail on the closed connections (DESIGN.md §11, "a
+compute error ends the job"). Bad inputs never get that far.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
+from cosmos3_batch.model.vae_shards import plan_cut, shard_sizes
+from cosmos3_batch.parallel.vae_group import PatchGroup
+
+log = logging.getLogger("cosmos3_batch")
+
+
+class GroupBroken(RuntimeError):
+    """A collective of a group decode or encode failed midway: the job must end (see the module doc)."""
+
+
+@dataclass
+class VaeTeam:
+    parts: int  # P
+    vae: torch.nn.Module  # the walks read its submodules only (no per-call state on the module)
+    encoding: PatchGroup  # the --sp group, its first P ranks encode (the pass loop's process group)
+    decoding: PatchGroup | None = None  # this rank's decode team (the finisher's); None: not a member
+    encode_vae: torch.nn.Module | None = None  # the encode view's VAE (its own caches: pipeline/context.py)
+    broken: BaseException | None = None
+    split_decodes: int = 0  # decodes this rank took part in that used more than one shard
+    split_encodes: int = 0
+
+    @property
+    def decodes(self) -> bool:
+        """This rank decodes (with the group's writer) every request the group finishes."""
+        return self.decoding is not None
+
+    def check(self) -> None:
+        """Called by the pass loop every pass: a broken team ends the job."""
+        if self.broken is not None:
+            raise GroupBroken(f"a group VAE decode or encode failed midway on this rank: {self.broken}")
+
+    def install(self, ctx) -> None:
+        """Admission's encodes (the helper pipeline's `self.vae.encode`) go through the group."""
+        self.encode_vae = ctx.encode_helper.vae
+        object.__setattr__(self.encode_vae, "encode", self.encode)
+
+    # ---- decode (finisher thread) -----------------------------------------------------------------
+
+    def share(self, latents: torch.Tensor) -> torch.Tensor:
+        """The writer's latents on every member (the decode's first collective)."""
+        self.check()
+        return self._guard(lambda: self.decoding.broadcast(latents.contiguous().clone(), 0))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor | None:
+        """`vae.decode(z).sample` on the writer (None on the other members)."""
+        self.check()
+        return self._guard(lambda: self._decode(z))
+
+    def _decode(self, z: torch.Tensor) -> torch.Tensor | None:
+        group = self.decoding
+        cut = self._cut(group, z.shape[-2:], z.device)
+        if len(cut.sizes) == 1:  # too small to split: the writer decodes it whole, as without the flag
+            return self.vae.decode(z).sample if group.index == 0 else None
+        if group.index >= len(cut.sizes):
+            return None
+        self.split_decodes += 1
+        shard = Shard(cut.dim, cut.sizes, group.index)
+        exchange = group.bind(shard)
+        return exchange.collect(decode_shard(self.vae, shard.of(z), shard, exchange), cut.dim)
+
+    # ---- encode (pass loop thread) ----------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, return_dict: bool = True):
+        """AutoencoderKLWan.encode's output for a video [1, 3, T, H, W], on every rank of the --sp group."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+        from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+        self.check()
+        h = self._guard(lambda: self._encode(x))
+        posterior = DiagonalGaussianDistribution(h)
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        group, config = self.encoding, self.vae.config
+        spatial = int(config.scale_factor_spatial)
+        cut = self._cut(group, (x.shape[3] // spatial, x.shape[4] // spatial), x.device)
+        if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag
+            return type(self.encode_vae)._encode(self.encode_vae, x)
+        whole = None
+        if group.index < len(cut.sizes):
+            shard = Shard(cut.dim, cut.sizes, group.index)
+            exchange = group.bind(shard)
+            whole = exchange.collect(encode_shard(self.vae, shard.of(x, spatial), shard, exchange), cut.dim)
+        if whole is None:
+            frames = 1 + (x.shape[2] - 1) // int(config.scale_factor_temporal)
+            shape = (x.shape[0], 2 * int(config.z_dim), frames, x.shape[3] // spatial, x.shape[4] // spatial)
+            whole = x.new_empty(shape)
+        self.split_encodes += 1
+        return group.broadcast(whole, 0)
+
+    # ---- both -------------------------------------------------------------------------------------
+
+    def _cut(self, group: PatchGroup, latent_hw, device: torch.device) -> Shard:
+        """The cut every member uses: the first rank's (one broadcast), so that no difference between the
+        ranks' settings (an intra-op thread count) can make them walk differently."""
+        cut = plan_cut(tuple(int(v) for v in latent_hw), self.parts, device)
+        used = group.share_int(len(cut.sizes))
+        return cut if used == len(cut.sizes) else _with_parts(cut, used)
+
+    def _guard(self, step):
+        try:
+            return step()
+        except Exception as exc:
+            self.broken = exc
+            log.error("a group VAE walk failed midway; the job ends: %s: %s", type(exc).__name__, exc)
+            raise GroupBroken(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _with_parts(cut: Shard, used: int) -> Shard:
+    return Shard(cut.dim, shard_sizes(sum(cut.sizes), 1, used, min_pixels=1), 0)
+
+
+def agree_inputs(jobs: list, seq_group) -> None:
+    """Read each admitted request's files on this rank, then one agree over the --sp group: a request whose
+    files one rank cannot read fails on every rank (`job.input_error`), before any encode."""
+    for job in jobs:
+        job.load_inputs()
+    agreed = seq_group.agree([job.input_error is None for job in jobs])
+    for job, ok in zip(jobs, agreed, strict=True):
+        if not ok and job.input_error is None:
+            job.input_error = "its inputs could not be read on another rank of its --sp group"
+
+
+def build_team(ctx, parts: int, seq_group, decode_group: PatchGroup | None) -> VaeTeam | None:
+    """The team of this rank (None at P = 1): the --sp group's process group for encodes."""
+    if parts == 1:
+        return None
+    from cosmos3_batch.parallel.vae_group import encode_group
+
+    encoding = encode_group(seq_group.group, seq_group.rank, seq_group.size, parts, seq_group.device)
+    team = VaeTeam(parts, ctx.vae, encoding, decode_group)
+    team.install(ctx)
+    return team

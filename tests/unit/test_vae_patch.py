@@ -1,0 +1,297 @@
+"""--vae-patch-parallel-size, in one process: the split decode and encode (model/vae_patch.py) run by
+threads over in-process gloo process groups with the real transport (parallel/vae_group.py) equal
+diffusers' unsplit `AutoencoderKLWan.decode` / `encode` bit for bit on CPU float32; the three rounding
+fixes (model/vae_exact.py) each equal the whole call; a group decode's opening broadcast makes bad
+latents fail on every member; a walk that breaks midway leaves the team issuing no collective; the flag's
+checks exit 2; `plan` shows the decode's time and memory per rank."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan
+from typer.testing import CliRunner
+
+from cosmos3_batch.cli import app
+from cosmos3_batch.model.tiny import TinySpec, vae_config
+from cosmos3_batch.model.vae_exact import conv_as_in_whole, mean_as_in_whole, silu_as_in_whole
+from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
+from cosmos3_batch.model.vae_shards import plan_cut, shard_sizes
+from cosmos3_batch.parallel.vae_group import PatchGroup
+from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob
+from cosmos3_batch.pipeline.vae_team import GroupBroken, VaeTeam, agree_inputs
+from tests.conftest import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def vae():
+    torch.manual_seed(0)
+    return AutoencoderKLWan(**vae_config(TinySpec(), torch.Generator().manual_seed(0))).eval()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The cut is used at one intra-op thread (model/vae_shards.py), as under torchrun."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def in_threads(ranks: int, fn, timeout_s: float = 60.0) -> list:
+    """fn(PatchGroup) on `ranks` threads, each with its rank of one in-process gloo group; the results (an
+    exception where fn raised)."""
+    store, groups, out = dist.HashStore(), [None] * ranks, [None] * ranks
+
+    def make(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, ranks, timedelta(seconds=timeout_s))
+
+    def work(rank: int) -> None:
+        try:
+            with torch.no_grad():
+                out[rank] = fn(PatchGroup(groups[rank], rank, ranks, ranks))
+        except Exception as exc:
+            out[rank] = exc
+
+    for target in (make, work):
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return out
+
+
+def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int = 1) -> tuple[torch.Tensor, list[PatchGroup]]:
+    groups: list[PatchGroup] = []
+
+    def one(group: PatchGroup):
+        groups.append(group)
+        shard = Shard(cut.dim, cut.sizes, group.index)
+        exchange = group.bind(shard)
+        return exchange.collect(walk(vae, shard.of(x, scale), shard, exchange), cut.dim)
+
+    out = in_threads(len(cut.sizes), one)
+    for result in out:
+        if isinstance(result, Exception):
+            raise result
+    return out[0], sorted(groups, key=lambda g: g.index)
+
+
+# (latent frames, latent height, latent width, P): an image cut in two, an odd height over four ranks
+# (4+3+3+3), a video cut along its width, a 9 x 6 video whose floor (16 pixels) leaves P = 4 three ranks.
+CASES = [
+    (1, 8, 8, 2, (4, 4)),
+    (2, 13, 7, 4, (4, 3, 3, 3)),
+    (3, 4, 16, 4, (4, 4, 4, 4)),
+    (2, 9, 6, 4, (3, 3, 3)),
+]
+
+
+@pytest.mark.parametrize(("frames", "height", "width", "parts", "sizes"), CASES)
+def test_split_decode_and_encode_equal_diffusers_unsplit_ones(vae, frames, height, width, parts, sizes):
+    cut = plan_cut((height, width), parts, torch.device("cpu"))
+    assert cut.sizes == sizes
+    z = torch.randn(1, vae.config.z_dim, frames, height, width, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = vae.decode(z).sample
+    decoded, groups = split(cut, z, decode_shard, vae)
+    assert torch.equal(decoded, expected)
+    if len(sizes) == 2:  # the second shard sends what the first does, plus its frames at the end
+        assert groups[1].messages == groups[0].messages + 1
+        assert groups[1].sent_bytes - groups[0].sent_bytes == decoded[..., :, sizes[0] * 16 :].numel() * 4
+    spatial = vae.config.scale_factor_spatial
+    video = torch.rand(1, 3, 4 * (frames - 1) + 1, height * spatial, width * spatial) * 2 - 1
+    with torch.no_grad():
+        expected = vae.encode(video).latent_dist.parameters
+    encoded, _ = split(cut, video, encode_shard, vae, spatial)
+    assert torch.equal(encoded, expected)
+
+
+def test_the_cut_keeps_a_floor_and_one_thread():
+    assert shard_sizes(13, 7, 4) == (4, 3, 3, 3)  # >= 16 latent pixels each
+    assert shard_sizes(4, 2, 4) == (4,)  # 8 pixels: one rank
+    assert plan_cut((8, 8), 2, torch.device("cpu")).sizes == (4, 4)
+    torch.set_num_threads(2)  # a thread pool cuts the loops SiLU's fix reproduces: not split on CPU
+    assert plan_cut((8, 8), 2, torch.device("cpu")).sizes == (8,)
+    assert plan_cut((8, 8), 2, torch.device("meta")).sizes == (4, 4)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1, 13, 7), (1, 12, 2, 9, 33), (1, 16, 1, 5, 3), (2, 4, 3, 1, 40)])
+def test_silu_of_a_shard_rounds_as_the_whole(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 4
+    whole = F.silu(x)
+    for dim in (3, 4):
+        extent = shape[dim]
+        for start in range(extent):
+            for rows in range(1, extent - start + 1):
+                part = x.narrow(dim, start, rows).contiguous()
+                got = silu_as_in_whole(part, dim, start, extent)
+                assert torch.equal(got, whole.narrow(dim, start, rows)), (dim, start, rows)
+
+
+def test_the_encoder_shortcut_mean_of_a_shard_rounds_as_the_whole():
+    x = torch.randn(1, 16, 8, 2, 13, 7, generator=torch.Generator().manual_seed(3))
+    whole = x.mean(dim=2)
+    for dim in (4, 5):
+        extent = x.shape[dim]
+        for start in range(extent):
+            for rows in range(1, extent - start + 1):
+                got = mean_as_in_whole(x.narrow(dim, start, rows).contiguous(), dim, start, extent)
+                assert torch.equal(got, whole.narrow(dim - 1, start, rows)), (dim, start, rows)
+
+
+@pytest.mark.parametrize("channels", [16, 64, 1024])
+def test_a_convolution_of_a_shard_uses_the_whole_calls_kernel(channels):
+    """A 3-D convolution whose whole input is past torch's size for oneDNN and whose shards are not."""
+    conv = torch.nn.Conv3d(channels, 8, 3).eval()
+    x = torch.randn(1, channels, 3, 10, 6, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = conv(x)
+        for start in range(8):
+            for rows in range(1, 9 - start):
+                part = x.narrow(3, start, rows + 2)
+                got = conv_as_in_whole(conv, part, list(x.shape))
+                assert torch.equal(got, whole.narrow(3, start, rows)), (start, rows)
+
+
+def teams(ranks: int, vae, fn, timeout_s: float = 60.0) -> list:
+    def one(group: PatchGroup):
+        team = VaeTeam(ranks, vae, encoding=group, decoding=group)
+        return team, fn(team)
+
+    return in_threads(ranks, one, timeout_s)
+
+
+def decoding_job(team: VaeTeam, vae, latents: torch.Tensor) -> RequestJob:
+    helper = SimpleNamespace(
+        _vae_latents_mean=torch.zeros(vae.config.z_dim),
+        _vae_latents_inv_std=torch.ones(vae.config.z_dim),
+        video_processor=SimpleNamespace(postprocess_video=lambda video, output_type: video.numpy()),
+    )
+    job = RequestJob.__new__(RequestJob)
+    job.ctx = SimpleNamespace(vae_team=team, helper=helper, vae=vae, vae_lock=threading.Lock())
+    job.latents, job.timings, job.branches, job.streams = latents, {}, [], []
+    return job
+
+
+def test_latents_that_are_not_finite_on_the_writer_fail_the_request_on_every_member(vae):
+    def decode(team: VaeTeam):
+        latents = torch.randn(1, vae.config.z_dim, 1, 8, 8)
+        if team.decoding.index == 0:
+            latents[0, 0, 0, 0, 0] = float("nan")  # only the writer's: the others decode the writer's
+        try:
+            decoding_job(team, vae, latents).decode()
+        except RequestFailed as exc:
+            return str(exc), team.split_decodes, team.decoding.messages
+        return None
+
+    results = teams(2, vae, decode)
+    assert [r[1][0].startswith("latents contain NaN") for r in results] == [True, True]
+    assert [r[1][1:] for r in results] == [(0, 0), (0, 0)]  # nothing was decoded, no halo was sent
+
+
+def test_a_group_decode_gives_the_writer_the_frames_and_the_others_none(vae):
+    z = torch.randn(1, vae.config.z_dim, 2, 8, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = vae.decode(z).sample.float().numpy()[0]
+    results = teams(2, vae, lambda team: decoding_job(team, vae, z).decode())
+    assert results[1][1] is None
+    assert (results[0][1].frames == expected).all()
+    assert [team.split_decodes for team, _ in results] == [1, 1]
+
+
+def test_a_walk_broken_midway_ends_the_team_on_every_member(vae, monkeypatch):
+    """The second member fails at its third halo: it stops there, the first one's wait for that halo times
+    out; both teams are broken and issue no collective again (the pass loop's check ends the job)."""
+    from cosmos3_batch.parallel import vae_group
+
+    calls = {"n": 0}
+    halo = vae_group._Bound.halo
+
+    def failing(self, x, dim, before, after):
+        if self.group.index == 1:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("out of memory")
+        return halo(self, x, dim, before, after)
+
+    monkeypatch.setattr(vae_group._Bound, "halo", failing)
+    z = torch.randn(1, vae.config.z_dim, 1, 8, 8)
+
+    def decode(team: VaeTeam):
+        with pytest.raises(GroupBroken):
+            team.decode(z)
+        sent = team.decoding.messages
+        with pytest.raises(GroupBroken):  # at once: no collective
+            team.decode(z)
+        with pytest.raises(GroupBroken):
+            team.check()
+        return sent == team.decoding.messages
+
+    assert [r[1] for r in teams(2, vae, decode, timeout_s=3)] == [True, True]
+
+
+def test_a_request_one_rank_cannot_read_fails_on_every_rank_before_any_encode():
+    class Job:
+        def __init__(self, error):
+            self.error, self.input_error = error, None
+
+        def load_inputs(self):
+            self.input_error = self.error
+
+    jobs = [Job(None), Job("OSError: gone"), Job(None)]
+    seq_group = SimpleNamespace(agree=lambda flags: [flags[0], flags[1], False])  # the third: another rank
+    agree_inputs(jobs, seq_group)
+    assert [j.input_error for j in jobs] == [
+        None,
+        "OSError: gone",
+        "its inputs could not be read on another rank of its --sp group",
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--sp", "2", "--vae-patch-parallel-size", "3"], ["--vae-patch-parallel-size", "2"],
+     ["--sp", "2", "--vae-patch-parallel-size", "2", "--vae-tiling"]],
+)  # fmt: skip
+def test_a_group_size_that_does_not_divide_sp_exits_2_before_loading(tmp_path, flags):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "size": "32x32", "num_frames": 1}])
+    for command in (["run", str(prompts), "--out", str(tmp_path / "out")], ["plan", str(prompts)]):
+        result = CliRunner().invoke(app, [*command, *flags])
+        assert result.exit_code == 2, result.output
+        assert "--vae-patch-parallel-size" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_shows_the_decode_time_and_memory_per_rank(tmp_path, tiny_ckpt):
+    import shutil
+
+    from cosmos3_batch.plan.shapes import WAN22_VAE
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, root)
+    (root / "vae" / "config.json").write_text(json.dumps(WAN22_VAE))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "size": "832x480", "num_frames": 5}])
+    docs = {}
+    for parts in (1, 4):
+        args = ["plan", str(prompts), "--model", str(root), "--nproc", "4", "--sp", "4"]
+        result = CliRunner().invoke(app, [*args, "--vae-patch-parallel-size", str(parts), "--json"])
+        assert result.exit_code == 0, result.output
+        docs[parts] = json.loads(result.output)["estimate"]
+    one, four = docs[1], docs[4]
+    assert four["vae_parts"] == 4 and four["decode_s_unsplit"] == one["decode_s"]
+    assert four["decode_bytes_unsplit"] == one["device_breakdown"]["vae_decode"]
+    # A quarter of the convolutions each (the 30 rows cut 8+8+7+7), the whole-frame attention and the frames
+    # gathered on the first rank on top.
+    assert one["decode_s"] / 4 < four["decode_s"] < one["decode_s"] / 3
+    assert four["device_breakdown"]["vae_decode"] < one["device_breakdown"]["vae_decode"] / 2
+    text = CliRunner().invoke(app, [*args, "--vae-patch-parallel-size", "4"]).output
+    assert "VAE decode, largest output" in text and "at --vae-patch-parallel-size 4 (one rank:" in text
