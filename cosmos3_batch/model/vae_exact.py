@@ -27,6 +27,16 @@ import torch.nn.functional as F
 from torch import nn
 
 FORCEABLE = ("Mkldnn", "Slow2d", "Slow3d")  # the CPU backends of float convolutions torch picks between
+KERNELS = ("mkldnn_convolution", "thnn_conv2d", "slow_conv3d")  # their aten ops, called by conv_as_in_whole
+
+
+def exact_walk_available() -> bool:
+    """Whether this torch has the private selector and backend ops `conv_as_in_whole` calls (those of torch
+    2.13, which the project pins). Without them a CPU decode is not split (vae_shards.plan_cut): one rank
+    decodes it whole, exactly, rather than a split walk that could differ or fail."""
+    if not hasattr(torch._C, "_select_conv_backend"):
+        return False
+    return all(hasattr(torch.ops.aten, kernel) for kernel in KERNELS)
 
 
 def conv_as_in_whole(conv: nn.Module, x: torch.Tensor, whole_shape: list[int]) -> torch.Tensor:

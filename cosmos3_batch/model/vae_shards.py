@@ -11,7 +11,8 @@ What else could round a shard's rows apart from the unsplit decode's is handled 
 vae_patch.py: the convolution backend torch picks by size (`conv_as_in_whole`), the scalar tail of the
 vectorized SiLU loop (`silu_as_in_whole`) and the summation order of the Wan2.2 encoder's average
 shortcut (`mean_as_in_whole`). The SiLU fix reproduces a serial loop, so on CPU the cut is used only at
-one intra-op thread (torchrun's default); with a thread pool, one rank decodes. On CUDA no bit-exactness
+one intra-op thread (torchrun's default), and only where torch has the private calls of the backend fix
+(`exact_walk_available`); else one rank decodes. On CUDA no bit-exactness
 is promised (cuDNN picks algorithms by shape): the cut uses the pixel floor alone.
 """
 
@@ -23,6 +24,7 @@ import json
 import torch
 from torch import nn
 
+from cosmos3_batch.model.vae_exact import exact_walk_available
 from cosmos3_batch.model.vae_patch import Shard
 
 MIN_SHARD_PIXELS = 16  # = parallel.sequence.MIN_SHARD_ROWS (not imported: parallel sits above model)
@@ -59,7 +61,7 @@ def plan_cut(latent_hw: tuple[int, int], parts: int, device: torch.device) -> Sh
     dim = split_dim(height, width)
     length, across = (height, width) if dim == 3 else (width, height)
     used = len(shard_sizes(length, across, parts))
-    if device.type == "cpu" and torch.get_num_threads() > 1:
+    if device.type == "cpu" and (torch.get_num_threads() > 1 or not exact_walk_available()):
         used = 1
     return Shard(dim, shard_sizes(length, across, used), 0)
 
