@@ -161,7 +161,7 @@ class _Walk:
             return conv._conv_forward(x, conv.weight, conv.bias)
         whole = list(x.shape)
         whole[dim] = rows // shard.rows * sum(shard.sizes) + padded
-        return conv_as_in_whole(conv, x, whole)
+        return conv_as_in_whole(conv, x, whole, dim, shard.index == len(shard.sizes) - 1)
 
     def _resample2d(self, seq: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if isinstance(seq, nn.Identity):

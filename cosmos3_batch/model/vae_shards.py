@@ -8,12 +8,15 @@ the floor is parallel/sequence.py's MIN_SHARD_ROWS, for the same reason; a decod
 worth a second rank anyway. Fewer ranks than P share a smaller latent (one: the unsplit decode).
 
 What else could round a shard's rows apart from the unsplit decode's is handled where it happens, in
-vae_patch.py: the convolution backend torch picks by size (`conv_as_in_whole`), the scalar tail of the
-vectorized SiLU loop (`silu_as_in_whole`) and the summation order of the Wan2.2 encoder's average
-shortcut (`mean_as_in_whole`). The SiLU fix reproduces a serial loop, so on CPU the cut is used only at
-one intra-op thread (torchrun's default), and only where torch has the private calls of the backend fix
-(`exact_walk_available`); else one rank decodes. On CUDA no bit-exactness
-is promised (cuDNN picks algorithms by shape): the cut uses the pixel floor alone.
+vae_exact.py: the convolution backend torch picks by size and the remainder pixels of its im2col GEMM
+(`conv_as_in_whole`), the scalar tail of the vectorized SiLU loop (`silu_as_in_whole`) and the summation
+order of the Wan2.2 encoder's average shortcut (`mean_as_in_whole`). The SiLU fix reproduces a serial
+loop, so on CPU the cut is used only at one intra-op thread (torchrun's default), only where torch has the
+private calls of the backend fix (`exact_walk_available`) and only where the GEMM's remainder is measured
+to follow a step (`gemm_column_step`); else one rank decodes. The GEMM fix needs the whole's remainder
+pixels (the last < step of each frame) in the last shard: a width cut's last shard keeps step - 1 columns
+(fewer ranks otherwise). On CUDA no bit-exactness is promised (cuDNN picks algorithms by shape): the cut
+uses the pixel floor alone.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import json
 import torch
 from torch import nn
 
-from cosmos3_batch.model.vae_exact import exact_walk_available
+from cosmos3_batch.model.vae_exact import exact_walk_available, gemm_column_step
 from cosmos3_batch.model.vae_patch import Shard
 
 MIN_SHARD_PIXELS = 16  # = parallel.sequence.MIN_SHARD_ROWS (not imported: parallel sits above model)
@@ -56,13 +59,21 @@ def shard_sizes(length: int, across: int, parts: int, min_pixels: int = MIN_SHAR
 def plan_cut(latent_hw: tuple[int, int], parts: int, device: torch.device) -> Shard:
     """Shard 0 of the cut a group uses for a latent `latent_hw` big (`sizes` tells every rank its own):
     no shard below the pixel floor; on CPU only at one intra-op thread (the serial loops whose rounding
-    vae_patch.silu_as_in_whole reproduces; a thread pool cuts them elsewhere), else one shard."""
+    vae_exact.silu_as_in_whole reproduces; a thread pool cuts them elsewhere) and with a GEMM step
+    measured, else one shard."""
     height, width = latent_hw
     dim = split_dim(height, width)
     length, across = (height, width) if dim == 3 else (width, height)
     used = len(shard_sizes(length, across, parts))
-    if device.type == "cpu" and (torch.get_num_threads() > 1 or not exact_walk_available()):
-        used = 1
+    if device.type == "cpu":
+        exact = torch.get_num_threads() == 1 and exact_walk_available()
+        step = gemm_column_step(torch.float32) if exact else 0
+        if not step:
+            used = 1
+        # The whole's GEMM remainder pixels (< step, the last of each frame) must all fall in the last shard:
+        # its last row of a width cut holds at least step - 1 pixels.
+        while used > 1 and shard_sizes(length, across, used)[-1] * (across if dim == 3 else 1) < step - 1:
+            used -= 1
     return Shard(dim, shard_sizes(length, across, used), 0)
 
 

@@ -20,6 +20,7 @@ from diffusers import AutoencoderKLWan
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
+from cosmos3_batch.model import vae_shards
 from cosmos3_batch.model.tiny import TinySpec, vae_config
 from cosmos3_batch.model.vae_exact import conv_as_in_whole, mean_as_in_whole, silu_as_in_whole
 from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
@@ -29,7 +30,9 @@ from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob
 from cosmos3_batch.pipeline.vae_team import GroupBroken, VaeTeam, agree_inputs
 from tests.conftest import write_jsonl
 
-pytestmark = pytest.mark.exact  # run twice by scripts/test.sh: SiLU's vector step differs by instruction set
+pytestmark = (
+    pytest.mark.exact
+)  # run twice by scripts/test.sh: SiLU's and the GEMM's steps vary by instruction set
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +131,16 @@ def test_the_cut_keeps_a_floor_and_one_thread(monkeypatch):
         assert plan_cut((8, 8), 2, torch.device("meta")).sizes == (4, 4)
     finally:
         torch.set_num_threads(threads)
+    # A GEMM whose last m % 4 pixels round apart (MKL's SSE4.2 path): the whole's last pixels of a frame must
+    # be the last shard's, so a width cut's last shard keeps >= 3 columns (20 over 8 or 7 leaves it 2).
+    monkeypatch.setattr(vae_shards, "gemm_column_step", lambda dtype: 1)
+    assert plan_cut((16, 20), 8, torch.device("cpu")).sizes == (3, 3, 3, 3, 2, 2, 2, 2)
+    monkeypatch.setattr(vae_shards, "gemm_column_step", lambda dtype: 4)
+    assert plan_cut((16, 20), 8, torch.device("cpu")).sizes == (4, 4, 3, 3, 3, 3)
+    assert plan_cut((13, 7), 4, torch.device("cpu")).sizes == (4, 3, 3, 3)  # a height cut: rows of 7 pixels
+    monkeypatch.setattr(vae_shards, "gemm_column_step", lambda dtype: 0)  # a GEMM no step describes
+    assert plan_cut((8, 8), 2, torch.device("cpu")).sizes == (8,)
+    monkeypatch.undo()
     # A torch without the private calls the backend fix makes (other than the pinned 2.13): one rank, whole.
     monkeypatch.delattr(torch._C, "_select_conv_backend")
     assert plan_cut((8, 8), 2, torch.device("cpu")).sizes == (8,)
@@ -159,15 +172,17 @@ def test_the_encoder_shortcut_mean_of_a_shard_rounds_as_the_whole():
 
 @pytest.mark.parametrize("channels", [16, 64, 1024])
 def test_a_convolution_of_a_shard_uses_the_whole_calls_kernel(channels):
-    """A 3-D convolution whose whole input is past torch's size for oneDNN and whose shards are not."""
+    """A 3-D convolution whose whole input is past torch's size for oneDNN and whose shards are not (1024
+    channels), or below it for all: im2col + GEMM, whose m (9 x 5 output pixels, a shard's rows x 5) leaves
+    every remainder a GEMM step of 2, 4 or 8 can."""
     conv = torch.nn.Conv3d(channels, 8, 3).eval()
-    x = torch.randn(1, channels, 3, 10, 6, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(1, channels, 3, 11, 7, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         whole = conv(x)
-        for start in range(8):
-            for rows in range(1, 9 - start):
+        for start in range(9):
+            for rows in range(1, 10 - start):
                 part = x.narrow(3, start, rows + 2)
-                got = conv_as_in_whole(conv, part, list(x.shape))
+                got = conv_as_in_whole(conv, part, list(x.shape), 3, last=start + rows == 9)
                 assert torch.equal(got, whole.narrow(3, start, rows)), (start, rows)
 
 
