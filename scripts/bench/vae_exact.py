@@ -1,20 +1,27 @@
-"""Why each of model/vae_exact.py's three fixes is there: the split VAE decode and encode with one fix
-switched off at a time, against diffusers' unsplit calls, on this CPU.
+"""Why each of model/vae_exact.py's fixes is there: the split VAE decode and encode with one fix switched
+off at a time, against diffusers' unsplit calls, on this CPU.
 
-    python scripts/bench/vae_exact.py [--quick]
+    python scripts/bench/vae_exact.py [--quick] [--all-settings]
 
 For a random Wan2.2-layout VAE (the tiny checkpoint's: 8 base channels; and one of 32) and a few latent
 shapes and group sizes, runs the split walk (model/vae_patch.py) by threads over in-process gloo groups,
 at one intra-op thread, and prints per configuration how many output elements differ from
 `AutoencoderKLWan.decode` / `encode` and by how much at most: with every fix, then with the convolution
-backend left to the shard's size (`conv`), SiLU's scalar tail left where the shard's loop puts it
-(`silu`), and the encoder shortcut's mean taken on the shard alone (`mean`). Nothing is asserted; the
-tests (tests/unit/test_vae_patch.py) hold the first column at zero.
+backend left to the shard's size (`conv`: also no GEMM fix), the im2col GEMM's remainder pixels left where
+the shard's call puts them (`gemm`: a step of 1 assumed), SiLU's scalar tail left where the shard's loop
+puts it (`silu`), and the encoder shortcut's mean taken on the shard alone (`mean`). Nothing is asserted;
+the tests (tests/unit/test_vae_patch.py) hold the first column at zero. `--all-settings` runs the table
+once per instruction-set setting scripts/test.sh uses (this CPU's default, MKL_ENABLE_INSTRUCTIONS=AVX2
+ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX ATEN_CPU_CAPABILITY=default), one subprocess each:
+MKL and ATen read them once, at start.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 
@@ -22,18 +29,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cosmos3_batch.model import vae_patch
+from cosmos3_batch.model import vae_exact, vae_patch
 from cosmos3_batch.model.tiny import TinySpec, vae_config
 from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
 from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.parallel.vae_group import PatchGroup
 
+# Each fix switched off: (module, name) replaced by the plain call.
 PLAIN = {
-    "conv": lambda conv, x, whole_shape: conv._conv_forward(x, conv.weight, conv.bias),
-    "silu": lambda x, dim, offset, whole: F.silu(x),
-    "mean": lambda x, dim, offset, whole: x.mean(dim=2),
+    "conv": (
+        vae_patch,
+        "conv_as_in_whole",
+        lambda conv, x, *_: conv._conv_forward(x, conv.weight, conv.bias),
+    ),
+    "gemm": (vae_exact, "gemm_column_step", lambda dtype: 1),
+    "silu": (vae_patch, "silu_as_in_whole", lambda x, dim, offset, whole: F.silu(x)),
+    "mean": (vae_patch, "mean_as_in_whole", lambda x, dim, offset, whole: x.mean(dim=2)),
 }
-NAMES = {"conv": "conv_as_in_whole", "silu": "silu_as_in_whole", "mean": "mean_as_in_whole"}
+SETTINGS = ({}, {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+            {"MKL_ENABLE_INSTRUCTIONS": "AVX", "ATEN_CPU_CAPABILITY": "default"})  # fmt: skip
 
 
 def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int) -> torch.Tensor:
@@ -73,16 +87,17 @@ def row(vae, latent: tuple[int, int, int], parts: int) -> list[str]:
     with torch.no_grad():
         decoded, encoded = vae.decode(z).sample, vae.encode(video).latent_dist.parameters
     cells = []
-    for off in (None, "conv", "silu", "mean"):
-        saved = getattr(vae_patch, NAMES[off]) if off else None
+    for off in (None, *PLAIN):
+        module, name, plain = PLAIN[off] if off else (None, None, None)
+        saved = getattr(module, name) if off else None
         if off:
-            setattr(vae_patch, NAMES[off], PLAIN[off])
+            setattr(module, name, plain)
         try:
             d = differ(split(cut, z, decode_shard, vae, 1), decoded)
             e = differ(split(cut, video, encode_shard, vae, spatial), encoded)
         finally:
             if off:
-                setattr(vae_patch, NAMES[off], saved)
+                setattr(module, name, saved)
         cells.append(f"{d} / {e}")
     return [f"{frames}x{height}x{width}", str(parts), "+".join(map(str, cut.sizes)), *cells]
 
@@ -92,11 +107,25 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="one VAE, two shapes")
+    parser.add_argument("--all-settings", action="store_true", help="once per instruction-set setting")
     args = parser.parse_args()
+    if args.all_settings:
+        for setting in SETTINGS:
+            print(
+                "== "
+                + (" ".join(f"{k}={v}" for k, v in setting.items()) or "no setting (this CPU's default)")
+            )
+            command = [sys.executable, __file__, *(["--quick"] if args.quick else [])]
+            subprocess.run(command, env={**os.environ, **setting}, check=True)
+        return
     torch.set_num_threads(1)
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "(unset)")
+    silu, gemm = vae_exact.silu_period(torch.float32), vae_exact.gemm_column_step(torch.float32)
+    aten = torch.backends.cpu.get_cpu_capability()
+    print(f"ATen {aten}, MKL_ENABLE_INSTRUCTIONS={mkl}: SiLU step {silu}, im2col GEMM step {gemm}")
     shapes = [((1, 8, 8), 2), ((2, 13, 7), 4)] + ([] if args.quick else [((3, 4, 16), 4), ((2, 9, 6), 4)])
     print("elements differing from the unsplit decode / encode (max |diff|), per fix switched off")
-    header = ["latent TxHxW", "P", "cut", "all fixes", "no conv fix", "no silu fix", "no mean fix"]
+    header = ["latent TxHxW", "P", "cut", "all fixes", *(f"no {off} fix" for off in PLAIN)]
     print(" | ".join(header))
     for dim in (8,) if args.quick else (8, 32):
         torch.manual_seed(0)
