@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORCEABLE = ("Mkldnn", "Slow2d", "Slow3d")  # the CPU backends of float convolutions torch picks between
 KERNELS = ("mkldnn_convolution", "thnn_conv2d", "slow_conv3d")  # their aten ops, called by conv_as_in_whole
 GEMM_PIXELS = 16  # gemm_column_step measures calls of at least this many pixels (the walk's: a shard's floor)
 
