@@ -138,24 +138,36 @@ def merge_metrics(out_dir: Path) -> tuple[Path, list[dict]]:
 
     Array tasks sharing --out may finish together: the lock makes each read-merge-rename see the
     others' finished merges, so the last one writes the full union."""
-    with open(out_dir / STATE_DIR / "metrics.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with merge_lock(out_dir):
         return _merge_locked(out_dir)
 
 
-def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
+@contextlib.contextmanager
+def merge_lock(out_dir: Path):
+    """Held while a run's end rewrites what every array task sharing OUT contributes to (metrics.csv,
+    manifest.parquet, shards rewritten without superseded samples)."""
+    with open(out_dir / STATE_DIR / "metrics.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def latest_rows(out_dir: Path, warn: bool = True) -> dict[str, dict]:
+    """Request id -> its latest row over every part file in OUT (all runs, ranks and array tasks)."""
     rows: dict[str, dict] = {}
-    parts = sorted((out_dir / STATE_DIR).glob(PART_GLOB))
     all_rows = []
-    for part in parts:
+    for part in sorted((out_dir / STATE_DIR).glob(PART_GLOB)):
         good, bad = read_part(part)
         all_rows += good
-        if bad:
+        if bad and warn:
             log.warning("%s: skipped %d unreadable line(s) (a crash mid-append?)", part, bad)
     # Part files of older versions may lack columns (None here) or hold Unix times: ISO text sorts alike.
     for row in sorted(all_rows, key=lambda r: _sort_time(r.get("finished_at"))):
         rows[row["id"]] = {key: row.get(key) or "" for key in COLUMNS}
-    merged = sorted(rows.values(), key=lambda r: r["id"])
+    return rows
+
+
+def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
+    merged = sorted(latest_rows(out_dir).values(), key=lambda r: r["id"])
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
     writer.writeheader()

@@ -6,6 +6,7 @@ every other file, so a crash between files never leaves something that looks fin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,9 +36,18 @@ class OutputPaths:
         return {key: getattr(self, key) for key in keys}
 
 
-def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
+def bucket(request_id: str) -> str:
+    """`--layout nested`: a request's subfolder, 2 hex digits of SHA-256 of its id (256, evenly filled)."""
+    return hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:2]
+
+
+def request_dir(out: Path, request_id: str, layout: str = "flat") -> Path:
+    return out / bucket(request_id) if layout == "nested" else out
+
+
+def paths_for(out_dir: Path, request_id: str, num_frames: int, layout: str = "flat") -> OutputPaths:
     """File names carry the request id; the id was validated, and we still refuse anything that escapes."""
-    root = out_dir.resolve()
+    root = request_dir(out_dir.resolve(), request_id, layout)
     media = root / f"{request_id}.{'png' if num_frames == 1 else 'mp4'}"
     paths = OutputPaths(
         media,
@@ -79,11 +89,18 @@ PREDICTS_ACTIONS = ("inverse_dynamics", "policy")  # forward dynamics is given i
 
 def write_actions(paths: OutputPaths, actions, request) -> dict[str, dict]:
     """`<id>.actions.safetensors` (the reference's tensor) and `<id>.actions.json`; their `files` entries."""
-    from safetensors.torch import save_file
+    size = atomic_write(paths.actions, lambda tmp: render_actions(tmp, actions))
+    json_size = write_json(paths.actions_json, readable_actions(actions, request))
+    return {
+        "actions": {"name": paths.actions.name, "bytes": size},
+        "actions_json": {"name": paths.actions_json.name, "bytes": json_size},
+    }
 
+
+def readable_actions(actions, request) -> dict:
+    """`<id>.actions.json`: the rows as decimals that read back to the same float32 values."""
     spec = request.action
-    size = atomic_write(paths.actions, lambda tmp: save_file({"actions": actions.contiguous()}, str(tmp)))
-    readable = {
+    return {
         "id": request.id,
         "mode": spec.mode,
         "domain": spec.domain,
@@ -91,11 +108,6 @@ def write_actions(paths: OutputPaths, actions, request) -> dict[str, dict]:
         "shape": list(actions.shape),
         # float32 values printed as the shortest decimals that read back to the same float32
         "actions": [[float(str(np.float32(x))) for x in row] for row in actions.tolist()],
-    }
-    json_size = write_json(paths.actions_json, readable)
-    return {
-        "actions": {"name": paths.actions.name, "bytes": size},
-        "actions_json": {"name": paths.actions_json.name, "bytes": json_size},
     }
 
 
@@ -121,11 +133,12 @@ _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp\.[^.
 _STEM_SUFFIXES = (".latents", ".silent", ".actions")
 
 
-def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
+def remove_stale_temporaries(out_dir: Path, ids: set[str], layout: str = "flat") -> int:
     """Delete temporaries that a killed run left for *these* requests. Other jobs (array tasks of other
     shards) may share --out and be writing their own requests' temporaries right now: never touch those."""
     removed = 0
-    for path in out_dir.glob(".*.tmp.*"):
+    folders = {out_dir} if layout == "flat" else {request_dir(out_dir, i, layout) for i in ids}
+    for path in (p for folder in sorted(folders) for p in folder.glob(".*.tmp.*")):
         match = _TEMPORARY.match(path.name)
         stem = match["stem"] if match else ""
         for suffix in _STEM_SUFFIXES:
@@ -177,33 +190,40 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return (frames * 255).round().astype(np.uint8)
 
 
-def write_png(path: Path, frame: np.ndarray) -> int:
+def render_png(path: Path, frame: np.ndarray) -> None:
     from PIL import Image
 
-    return atomic_write(path, lambda tmp: Image.fromarray(frame).save(tmp, format="PNG"))
+    Image.fromarray(frame).save(path, format="PNG")
+
+
+def write_png(path: Path, frame: np.ndarray) -> int:
+    return atomic_write(path, lambda tmp: render_png(tmp, frame))
 
 
 def write_mp4(path: Path, frames: np.ndarray, fps: float, audio: tuple | None = None) -> int:
     """H.264 MP4; with `audio` = (waveform [channels, samples], sample rate), also an AAC track as long as
     the video."""
+    return atomic_write(path, lambda tmp: render_mp4(tmp, frames, fps, audio, final=path))
+
+
+def render_mp4(tmp: Path, frames: np.ndarray, fps: float, audio: tuple | None, final: Path) -> None:
+    """The MP4 into `tmp` (`final`: the name its silent intermediate is named after)."""
     if audio is None:
-        return atomic_write(path, lambda tmp: _write_h264(tmp, frames, fps))
+        _write_h264(tmp, frames, fps)
+        return
+    from cosmos3_batch.io.audio import mux_audio
 
-    def write(tmp: Path) -> None:
-        from cosmos3_batch.io.audio import mux_audio
-
-        fd, name = tempfile.mkstemp(
-            prefix=f".{path.stem}.silent.{os.getpid()}.", suffix=".tmp.mp4", dir=path.parent
-        )
-        os.close(fd)
-        silent = Path(name)
-        try:
-            _write_h264(silent, frames, fps)
-            mux_audio(silent, tmp, audio[0], audio[1], duration_s=len(frames) / fps)
-        finally:
-            silent.unlink(missing_ok=True)
-
-    return atomic_write(path, write)
+    # The mux starts from a silent video beside the final file.
+    fd, name = tempfile.mkstemp(
+        prefix=f".{final.stem}.silent.{os.getpid()}.", suffix=".tmp.mp4", dir=final.parent
+    )
+    os.close(fd)
+    silent = Path(name)
+    try:
+        _write_h264(silent, frames, fps)
+        mux_audio(silent, tmp, audio[0], audio[1], duration_s=len(frames) / fps)
+    finally:
+        silent.unlink(missing_ok=True)
 
 
 def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
@@ -227,14 +247,25 @@ def write_wav(path: Path, waveform, sample_rate: int) -> int:
     return atomic_write(path, lambda tmp: write_wav_file(tmp, waveform, sample_rate))
 
 
-def write_latents(path: Path, latents, sound=None) -> int:
+def render_latents(path: Path, latents, sound=None) -> None:
     """`latents` [1, C, T, H, W]; with joint audio also `sound`: the waveform as the reference returns it."""
     from safetensors.torch import save_file
 
     tensors = {"latents": latents.contiguous()}
     if sound is not None:
         tensors["sound"] = sound.contiguous()
-    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    save_file(tensors, str(path))
+
+
+def write_latents(path: Path, latents, sound=None) -> int:
+    return atomic_write(path, lambda tmp: render_latents(tmp, latents, sound))
+
+
+def render_actions(path: Path, actions) -> None:
+    """`<id>.actions.safetensors`: key `actions`, float32 [T, D], the reference's tensor."""
+    from safetensors.torch import save_file
+
+    save_file({"actions": actions.contiguous()}, str(path))
 
 
 def write_json(path: Path, data: dict) -> int:

@@ -112,8 +112,13 @@ def parse_shard(text: str) -> tuple[int, int]:
 def in_shard(request_id: str, index: int, count: int) -> bool:
     """Shards split by a hash of the id: disjoint, their union is the file, and a request stays in its
     shard when other lines are added, removed or fixed (so an array job can be resubmitted safely)."""
+    return shard_index(request_id, count) == index
+
+
+def shard_index(request_id: str, count: int) -> int:
+    """The --shard INDEX/COUNT slice a request belongs to."""
     digest = hashlib.sha256(request_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % count == index
+    return int.from_bytes(digest[:8], "big") % count
 
 
 def describe(assignment: Assignment) -> str:
