@@ -81,7 +81,7 @@ def remove_stale(out: Path, tag: str) -> int:
     tar never appeared. Other array tasks' files (other tags) are theirs and may be in use: never touched."""
     prefix = f"{tag}-rank" if tag else "rank"
     removed = 0
-    for path in (out / SHARDS).glob(f"*/.{prefix}*.tmp.tar"):
+    for path in (out / SHARDS).glob(f"*/.{prefix}*.tar.tmp"):
         path.unlink(missing_ok=True)
         removed += 1
     for folder in (out / STAGING_DIR).glob(f"{prefix}*"):
@@ -118,7 +118,7 @@ def _rewrite(out: Path, index: dict, stale: set[str]) -> None:
         final.unlink(missing_ok=True)  # the tar first: an index without its tar is ignored
         index_path(out, index["shard"]).unlink(missing_ok=True)
         return
-    tmp = final.with_name(f".{final.stem}.{os.getpid()}.tmp.tar")
+    tmp = final.with_name(f".{final.stem}.{os.getpid()}.tar.tmp")
     try:
         with open(final, "rb") as src, open(tmp, "wb") as dst:
             tar = tarfile.open(fileobj=dst, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115 (closed below)

@@ -6,7 +6,7 @@ A sample is one request: its members `<key>.<ext>` (media, `.json` sidecar, `.tx
 at its first dot). Every sample of a shard has the same member set (HF `datasets` rejects a shard whose
 samples differ), so shards are kept per kind: OUT/shards/<kind>/.
 
-A shard is written under a hidden temporary name and becomes visible only when finalized: the tar's end
+A shard is written under a hidden temporary name (`.<name>.<pid>.tar.tmp`) and becomes visible only when finalized: the tar's end
 blocks written, fsynced, its index written (OUT/.cosmos3_batch/shards/<kind>/<name>.json, atomically),
 then renamed to `[TAG-]rankR-NNNNNN.tar` and the folder fsynced. A killed run leaves only the temporary,
 which the next run of the same tag deletes; its samples are generated again. Resume and `status` read the
@@ -164,8 +164,11 @@ class ShardWriter:
         number = self._next.get(kind) or self._first_free(kind)
         self._next[kind] = number + 1
         stem = f"{self.prefix}-{number:06d}"
-        fd, name = tempfile.mkstemp(prefix=f".{stem}.{os.getpid()}.", suffix=".tmp.tar", dir=folder)
-        file = os.fdopen(fd, "wb+")
+        # Hidden, and not ending in .tar: no loader's glob for shards ever picks up an open one.
+        fd, name = tempfile.mkstemp(prefix=f".{stem}.{os.getpid()}.", suffix=".tar.tmp", dir=folder)
+        # Unbuffered: a write the disk refuses fails at once, with nothing left in a buffer that a later
+        # flush would add after the cut (add() cuts a failed sample back off).
+        file = os.fdopen(fd, "wb+", buffering=0)
         # Both stay open while the shard fills: closed by _finalize.
         tar = tarfile.open(fileobj=file, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
         shard = _Open(kind, f"{SHARDS}/{kind}/{stem}.tar", Path(name), file, tar)
