@@ -6,9 +6,10 @@ A sample is one request: its members `<key>.<ext>` (media, `.json` sidecar, `.tx
 at its first dot). Every sample of a shard has the same member set (HF `datasets` rejects a shard whose
 samples differ), so shards are kept per kind: OUT/shards/<kind>/.
 
-A shard is written under a hidden temporary name (`.<name>.<pid>.tar.tmp`) and becomes visible only when finalized: the tar's end
-blocks written, fsynced, its index written (OUT/.cosmos3_batch/shards/<kind>/<name>.json, atomically),
-then renamed to `[TAG-]rankR-NNNNNN.tar` and the folder fsynced. A killed run leaves only the temporary,
+A shard is written under a hidden temporary name (`.<name>.<pid>.tar.tmp`) and becomes visible only when
+finalized: the tar's end blocks written, fsynced, its index written atomically
+(OUT/.cosmos3_batch/shards/<kind>/<name>.json), then renamed to `[TAG-]rankR-NNNNNN.tar` and the folder
+fsynced. A killed run leaves only the temporary,
 which the next run of the same tag deletes; its samples are generated again. Resume and `status` read the
 indexes (one small file per shard), never the members. An index without its tar (a crash between the two
 renames) is ignored.

@@ -64,13 +64,18 @@ def tars(out: Path, kind: str) -> list[str]:
     return [str(p) for p in sorted((out / "shards" / kind).glob("*.tar"))]
 
 
+def names(shard) -> list[str]:
+    with tarfile.open(shard) as tar:
+        return tar.getnames()
+
+
 def test_shards_are_read_by_webdataset_and_hf_datasets_bit_exact_with_files(runs):
     ref, out = runs["files"], runs["shards"]
     assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(KINDS)
     for kind, ids in KINDS.items():
         urls = tars(out, kind)
         # --shard-size 2: full shards of two samples, the last one closed at the end.
-        assert [len(tarfile.open(u).getnames()) for u in urls] == [8] * (len(ids) // 2) + [4] * (len(ids) % 2)
+        assert [len(names(u)) for u in urls] == [8] * (len(ids) // 2) + [4] * (len(ids) % 2)
         seen = []
         for sample in wds.WebDataset(urls, shardshuffle=False):
             sidecar = json.loads(sample["json"])
@@ -117,7 +122,7 @@ def test_manifest_is_read_by_pandas_and_hf_datasets(runs):
                 )
                 assert (out / row.path).is_file()
             else:
-                assert row.member in tarfile.open(out / row.path).getnames()
+                assert row.member in names(out / row.path)
         hf = load_dataset("parquet", data_files=str(out / "manifest.parquet"), split="train")
         assert hf.num_rows == len(IDS) and hf[0]["id"] == IDS[0]
 
