@@ -106,7 +106,18 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
-    errors = token_errors(requests, helper, int(getattr(tokenizer, "model_max_length", 1 << 30)))
+    try:  # decided on the whole input, so every array task of the job decides alike
+        held = dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests))
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
+    mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
+    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
+    todo, complete = split_complete(cfg, mine, identity, held)
+    # Complete outputs were made from these very prompts by this model: their tokens need no second look
+    # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
+    done = {r.id for r in complete}
+    limit = int(getattr(tokenizer, "model_max_length", 1 << 30))
+    errors = token_errors([r for r in requests if r.id not in done], helper, limit)
     invalid = invalid + errors
     if invalid and not cfg.skip_invalid:
         raise BadInput(str(RequestFileError(", ".join(cfg.prompts), invalid)))
@@ -115,23 +126,14 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     bad_lines = {(e.source, e.line) for e in errors}
-    valid = [r for r in requests if (r.source, r.line) not in bad_lines]
-    if valid:  # a job that could not write even its largest output must not start
+    todo = [r for r in todo if (r.source, r.line) not in bad_lines]
+    if todo:  # a job that could not write even its largest output must not start
         try:
             size = _output_size(cfg, checkpoint)
-            largest = max(valid, key=size)
+            largest = max(todo, key=size)
             check_room(cfg.out, size(largest), f"request {largest.id!r}")
         except ValueError as exc:
             raise BadInput(str(exc)) from exc
-    requests = valid
-    try:  # decided on the whole input, so every array task of the job decides alike
-        held = dataset.choose(cfg.out, cfg.format, cfg.layout, len(valid))
-    except ValueError as exc:
-        raise BadInput(str(exc)) from exc
-    if cfg.shard is not None:
-        requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
-    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
-    todo, complete = split_complete(cfg, requests, identity, held)
     return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity, held)
 
 

@@ -42,7 +42,7 @@ from cosmos3_batch.requests.sources import ALL_NAMED, Columns, Source, expand, j
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a million of them fit a laptop's `plan` (docs/scale.md)
 class Request:
     """One validated request with every default filled in: what runs is exactly what is recorded."""
 
@@ -159,7 +159,7 @@ def parse_sources(
             if item.obj is None:
                 found.append(RequestError(item.number, None, item.problem or "not a request"))
                 continue
-            checked = _validate_object(item.obj, item.number, source.base_dir, limits)
+            checked = _validate_object(item.obj, item.number, source, limits)
             request, request_id, item_errors = checked
             found += item_errors
             if request_id is None:
@@ -173,7 +173,7 @@ def parse_sources(
                 where = f" of {source.name}" if len(sources) > 1 else ""
                 first_place[rid] = f"on {source.unit} {item.number}{where}"
                 if sample is not None:
-                    requests.append(dataclasses.replace(sample, source=source.name, unit=source.unit))
+                    requests.append(sample)
         found.sort(key=lambda error: error.line)  # stable: a line's errors keep their order
         errors += [dataclasses.replace(e, source=source.name, unit=source.unit) for e in found]
     return requests, errors
@@ -228,9 +228,10 @@ def load_requests(
 
 
 def _validate_object(
-    obj: JsonObject, line: int, base_dir: str | None, limits: ModelLimits
+    obj: JsonObject, line: int, source: Source, limits: ModelLimits
 ) -> tuple[Request | None, str | None, list[RequestError]]:
     """Check one decoded line. Returns (request or None, its id if the id is valid, errors)."""
+    base_dir = source.base_dir
     out = LineErrors(line)
     check_keys(out, obj)
     check_samples(out, obj)
@@ -262,4 +263,7 @@ def _validate_object(
     assert request_id is not None and num_frames is not None
     if values["seed"] is None:
         values["seed"] = derive_seed(request_id)
-    return Request(id=request_id, line=line, num_frames=num_frames, **values), request_id, []
+    request = Request(
+        id=request_id, line=line, num_frames=num_frames, source=source.name, unit=source.unit, **values
+    )
+    return request, request_id, []
