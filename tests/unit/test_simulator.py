@@ -72,7 +72,7 @@ def test_simulator_and_rule_import_no_torch(module):
     assert not any(name.split(".")[0] == "torch" for name in names), names
 
 
-def replay(queues, max_active, rule, part_bytes=PartBytes(), und_cache=True) -> Simulation:
+def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = True) -> Simulation:
     """The runner's loop replayed pass by pass, every rank every pass, with `RankSlots` as the runner uses it:
     what the event-driven `simulate` must equal (it was the simulator before 1M requests at 512 ranks)."""
     from collections import deque
@@ -109,11 +109,10 @@ def replay(queues, max_active, rule, part_bytes=PartBytes(), und_cache=True) -> 
     if not und_cache:
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
     per_rank = passes * part_bytes.gen + und_passes * part_bytes.und
-    return Simulation(
-        passes, und_passes, outputs, active_sum / (passes * world * max_active) if passes else 0.0, per_rank,
-        per_rank * world / outputs if outputs else 0.0, und_passes * part_bytes.und / per_rank if per_rank else 0.0,
-        prefilled,
-    )  # fmt: skip
+    occupancy = active_sum / (passes * world * max_active) if passes else 0.0
+    share = und_passes * part_bytes.und / per_rank if per_rank else 0.0
+    per_output = per_rank * world / outputs if outputs else 0.0
+    return Simulation(passes, und_passes, outputs, occupancy, per_rank, per_output, share, prefilled)
 
 
 @pytest.mark.parametrize("seed", range(12))
