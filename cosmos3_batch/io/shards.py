@@ -18,12 +18,13 @@ renames) is ignored.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cosmos3_batch.io.metrics import STATE_DIR, iso_time
@@ -91,7 +92,14 @@ class _Open:
     tmp: Path
     file: object
     tar: tarfile.TarFile
-    pending: list[Pending] = field(default_factory=list)
+    # The appended samples' index entries and rows, one JSON line each, kept on disk rather than in memory:
+    # a 1 GB shard of small images holds 100,000s of them, and the writer's cost per sample must not grow.
+    journal: object = None
+    samples: int = 0
+
+    def pending(self) -> list[Pending]:
+        self.journal.seek(0)
+        return [Pending(**json.loads(line)) for line in self.journal]
 
 
 class ShardWriter:
@@ -122,7 +130,7 @@ class ShardWriter:
         """Append one sample's staged members (each removed); returns the samples of a shard this closed
         (now final). On a failed append the shard is cut back to where it was (no torn member)."""
         shard = self._shard(kind)
-        start = shard.tar.offset
+        start, logged = shard.tar.offset, shard.journal.tell()
         offsets = {}
         try:
             for suffix, path in members:
@@ -131,17 +139,22 @@ class ShardWriter:
                 with open(path, "rb") as f:
                     shard.tar.addfile(info, f)
                 offsets[suffix] = [shard.tar.offset - padded_size(info.size), info.size]
+            entry = {"sample": {**sample, "key": key, "members": offsets}, "row": row}
+            shard.journal.write(json.dumps(entry, separators=(",", ":")) + "\n")
+            shard.journal.flush()
         except BaseException:
             shard.file.seek(start)
             shard.file.truncate(start)
             shard.tar.offset = start
+            shard.journal.seek(logged)
+            shard.journal.truncate(logged)
             raise
         finally:
             for _, path in members:
                 path.unlink(missing_ok=True)
-        shard.pending.append(Pending({**sample, "key": key, "members": offsets}, row))
+        shard.samples += 1
         full = self.max_bytes and shard.tar.offset >= self.max_bytes
-        if full or (self.max_samples and len(shard.pending) >= self.max_samples):
+        if full or (self.max_samples and shard.samples >= self.max_samples):
             return self._finalize(kind)
         return []
 
@@ -172,7 +185,9 @@ class ShardWriter:
         file = os.fdopen(fd, "wb+", buffering=0)
         # Both stay open while the shard fills: closed by _finalize.
         tar = tarfile.open(fileobj=file, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
-        shard = _Open(kind, f"{SHARDS}/{kind}/{stem}.tar", Path(name), file, tar)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        journal = open(self.staging / f"{kind}.samples.jsonl", "w+")  # noqa: SIM115 (closed by _finalize)
+        shard = _Open(kind, f"{SHARDS}/{kind}/{stem}.tar", Path(name), file, tar, journal)
         self._open[kind] = shard
         return shard
 
@@ -187,6 +202,13 @@ class ShardWriter:
     def _finalize(self, kind: str) -> list[Pending]:
         shard = self._open.pop(kind)
         final = self.out / shard.name
+        pending = shard.pending()
+        shard.journal.close()
+        Path(shard.journal.name).unlink(missing_ok=True)
+        if not pending:  # opened for a sample that then failed: no empty shard is left
+            shard.file.close()
+            shard.tmp.unlink(missing_ok=True)
+            return []
         try:
             shard.tar.close()  # the end-of-archive blocks
             shard.file.flush()
@@ -198,7 +220,7 @@ class ShardWriter:
                 "finalized_at": iso_time(time.time()),
                 "rank": self.rank,
                 "tag": self.tag,
-                "samples": [p.sample for p in shard.pending],
+                "samples": [p.sample for p in pending],
             }
             write_json(index_path(self.out, shard.name), index)
             os.replace(shard.tmp, final)
@@ -210,9 +232,9 @@ class ShardWriter:
             if not final.exists():
                 index_path(self.out, shard.name).unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise ShardLost(shard.pending, exc) from exc
+                raise ShardLost(pending, exc) from exc
             raise
-        return shard.pending
+        return pending
 
 
 def tar_identity(path: Path) -> dict:
