@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import webdataset as wds
@@ -137,3 +138,6 @@ def test_sigkill_mid_shard_then_rerun_finishes_the_rest_exactly_once(tmp_path, t
     # shard's finalization; a kill between the two loses a row, recovered from the index, never adds one).
     assert max(counts.values()) == 1 and sum(counts.values()) >= len(ROWS) - 2
     assert not list(out.glob("shards/*/.*")), "stale temporaries survived the rerun"
+    manifest = pd.read_parquet(out / "manifest.parquet")  # both ranks' samples, where they are
+    assert sorted(manifest["id"]) == sorted(samples) and set(manifest["status"]) == {"ok"}
+    assert set(manifest["rank"]) == {0, 1} and all(m.startswith("k") for m in manifest["member"])

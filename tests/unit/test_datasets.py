@@ -21,7 +21,7 @@ from safetensors.torch import load
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.io.dataset import parse_shard_size
+from cosmos3_batch.io.dataset import Dataset, choose, parse_shard_size, write_record
 from cosmos3_batch.io.shard_index import read_indexes
 from cosmos3_batch.io.shards import ShardWriter
 from tests.conftest import write_jsonl
@@ -156,6 +156,40 @@ def test_nested_layout_is_followed_by_resume_report_and_manifest(runs, tiny_ckpt
     assert invoke("report", out, "--no-progress").exit_code == 0
     assert len(list((out / "report" / "thumbs").glob("*.jpg"))) == len(IDS)
     assert invoke("status", out).exit_code == 0
+
+
+def test_status_and_manifest_merge_the_tasks_of_an_array(runs, tiny_ckpt, tmp_path):
+    out, prompts = tmp_path / "array", runs["prompts"]
+    assert run(prompts, tiny_ckpt, out, "--shard", "0/2").exit_code == 0
+    middle = json.loads(invoke("status", out, "--input", prompts, "--json").output)
+    first = middle["array_tasks"]["0/2"]["done"]
+    assert middle["array_tasks"]["1/2"] == {
+        "done": 0,
+        "failed": 0,
+        "interrupted": 0,
+        "pending": len(IDS) - first,
+    }
+    assert len(pd.read_parquet(out / "manifest.parquet")) == first  # what task 0 knows
+    assert run(prompts, tiny_ckpt, out, "--shard", "1/2").exit_code == 0
+    report = json.loads(invoke("status", out, "--input", prompts, "--json").output)
+    assert report["all_done"] and report["array_tasks"]["1/2"]["done"] == len(IDS) - first
+    frame = pd.read_parquet(out / "manifest.parquet")  # the last task's end merged both
+    assert list(frame["id"]) == IDS and set(frame["status"]) == {"ok"}
+    more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "later", "prompt": "x", "size": "32x32"}])
+    assert invoke("manifest", out, "--input", more).exit_code == 0
+    frame = pd.read_parquet(out / "manifest.parquet")
+    assert dict(zip(frame["id"], frame["status"], strict=True))["later"] == "pending" and len(frame) == 8
+
+
+def test_the_layout_is_nested_above_10k_requests_and_kept_by_later_runs(tmp_path):
+    assert choose(tmp_path, "files", None, 10_000) == Dataset("files", "flat")
+    assert choose(tmp_path, "files", None, 10_001) == Dataset("files", "nested")
+    assert choose(tmp_path, "webdataset", None, 10**6) == Dataset("webdataset", "flat")
+    (tmp_path / ".cosmos3_batch").mkdir()
+    write_record(tmp_path, Dataset("files", "flat"))
+    assert choose(tmp_path, "files", None, 10**6) == Dataset("files", "flat")  # what OUT holds wins
+    with pytest.raises(ValueError, match="holds files"):
+        choose(tmp_path, "webdataset", None, 1)
 
 
 def test_a_full_disk_mid_shard_stops_with_75_and_the_rerun_does_exactly_the_rest(runs, tiny_ckpt, tmp_path):
