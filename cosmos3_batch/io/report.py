@@ -144,7 +144,7 @@ def make_thumbnail(out: Path, output: Output, thumbs: Path) -> str:
     from PIL import Image
 
     media = Path(output.member or output.path)
-    dest = thumbs / f"{media.stem}.jpg"
+    dest = thumbs / f"{output.id}.jpg"  # ids are safe in a URL; a member's key may hold "%2E"
     try:
         if dest.exists() and dest.stat().st_mtime >= output.finished:
             return str(dest.relative_to(out))
