@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -40,12 +41,13 @@ class Output:
         return f"{self.id}.{suffix}" in {entry.get("name") for entry in files if isinstance(entry, dict)}
 
 
-def complete_outputs(out: Path) -> dict[str, Output]:
-    """Request id -> its complete output, in the format OUT was written in."""
+def complete_outputs(out: Path, known: Callable[[str, float], bool] | None = None) -> dict[str, Output]:
+    """Request id -> its complete output, in the format OUT was written in. `known(id, mtime)`: True for a
+    sidecar the caller already has a record of as of that mtime: it is not read, and not returned."""
     held = dataset.of(out)
     if held.format == "webdataset":
         return _shard_outputs(out)
-    return _file_outputs(out, held.layout)
+    return _file_outputs(out, held.layout, known)
 
 
 def _shard_outputs(out: Path) -> dict[str, Output]:
@@ -57,13 +59,19 @@ def _shard_outputs(out: Path) -> dict[str, Output]:
     return found
 
 
-def _file_outputs(out: Path, layout: str) -> dict[str, Output]:
+def _file_outputs(out: Path, layout: str, known: Callable[[str, float], bool] | None) -> dict[str, Output]:
     folders = [out] if layout == "flat" else sorted(p for p in out.glob("[0-9a-f][0-9a-f]") if p.is_dir())
     found = {}
     for folder in folders:
         with os.scandir(folder) as entries:
             names = [e.name for e in entries if e.name.endswith(".json") and not e.name.startswith(".")]
         for name in names:
+            try:
+                finished = (folder / name).stat().st_mtime
+            except OSError:
+                continue
+            if known is not None and known(name.removesuffix(".json"), finished):
+                continue
             sidecar = _sidecar(folder / name)
             if sidecar is None or name != f"{sidecar['id']}.json":
                 continue
@@ -71,7 +79,6 @@ def _file_outputs(out: Path, layout: str) -> dict[str, Output]:
             if not media or Path(media).name != media:
                 continue  # never a path out of OUT
             where = folder.relative_to(out) / media
-            finished = (folder / name).stat().st_mtime
             found[sidecar["id"]] = Output(sidecar["id"], sidecar, str(where), None, finished)
     return found
 

@@ -53,30 +53,51 @@ SCHEMA = pa.schema(
 TIMINGS = ("prepare_s", "denoise_s", "decode_s", "write_s")
 
 
-def write_manifest(out: Path, requests=(), tag: str | None = None) -> tuple[Path, int]:
+def write_manifest(
+    out: Path, requests=(), tag: str | None = None, rows: dict | None = None
+) -> tuple[Path, int]:
     """Write OUT/manifest.parquet; `requests` (Request objects) fill in the prompt of requests with no output
     and add a `pending` row for those with no record at all. With `tag` (a run's end), this run's shards
-    are first rewritten without samples that a newer shard holds again. Returns (path, rows)."""
+    are first rewritten without samples that a newer shard holds again. `rows`: the latest metrics row per
+    id, when the caller has just merged them. Returns (path, rows)."""
     with merge_lock(out):
         if tag is not None and dataset.of(out).format == "webdataset":
             drop_superseded(out, tag)
-        table = build_manifest(out, requests)
+        table = build_manifest(out, requests, rows)
         atomic_write(out / NAME, lambda tmp: pq.write_table(table, tmp))
     return out / NAME, table.num_rows
 
 
-def build_manifest(out: Path, requests=()) -> pa.Table:
+def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table:
+    """The rows. A complete output's row of the previous manifest.parquet is kept when its sidecar has not
+    changed since (same mtime): a rerun over 100,000 complete requests stats their sidecars, reads none."""
     fmt = dataset.of(out).format
-    done = complete_outputs(out)
-    rows = latest_rows(out, warn=False)
+    kept = _previous(out, fmt)
+    done = complete_outputs(out, lambda rid, mtime: kept.get(rid, {}).get("finished_at") == iso_time(mtime))
+    rows = latest_rows(out, warn=False) if rows is None else rows
     known = {r.id: r for r in requests}
     records = []
-    for rid in sorted(set(done) | set(rows) | set(known)):
+    for rid in sorted(set(done) | set(rows) | set(known) | set(kept)):
         if rid in done:
             records.append(_complete(done[rid], rows.get(rid), fmt))
+        elif rid in kept and fmt == "files" and (out / kept[rid]["path"]).with_suffix(".json").exists():
+            records.append(kept[rid])  # its sidecar, unchanged since the last manifest
         else:
             records.append(_not_complete(rid, rows.get(rid), known.get(rid), fmt))
     return pa.Table.from_pylist(records, schema=SCHEMA)
+
+
+def _previous(out: Path, fmt: str) -> dict[str, dict]:
+    """The complete outputs' rows of the manifest written before (files format: reused when unchanged)."""
+    if fmt != "files":
+        return {}
+    try:
+        table = pq.read_table(out / NAME)
+        if table.schema != SCHEMA:
+            return {}
+        return {row["id"]: row for row in table.to_pylist() if row["status"] == "ok" and row["path"]}
+    except (OSError, pa.ArrowException):
+        return {}
 
 
 def _complete(output: Output, row: dict | None, fmt: str) -> dict:

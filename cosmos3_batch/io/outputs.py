@@ -6,10 +6,12 @@ every other file, so a crash between files never leaves something that looks fin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,20 +22,51 @@ import numpy as np
 from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
 from cosmos3_batch.io.space import disk_errno
 
+# The sidecar's `files` keys besides the media, and the suffix of each one's file.
+_SUFFIXES = {"latents": "latents.safetensors", "wav": "wav", "actions": "actions.safetensors",
+             "actions_json": "actions.json"}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class OutputPaths:
-    media: Path
-    sidecar: Path
-    latents: Path
-    wav: Path  # joint audio (sound requests)
-    actions: Path  # predicted actions (inverse dynamics, policy): safetensors, key `actions`
-    actions_json: Path  # the same, readable
+    """A request's files: `folder` / `<id>.<suffix>`, each path made when asked for (a rerun over 100,000
+    complete requests checks their names and sizes, and needs few Path objects)."""
+
+    folder: Path
+    request_id: str
+    media_suffix: str  # png (1 frame) or mp4
+
+    def names(self) -> dict[str, str]:
+        """The sidecar's `files` keys and the one file name each may name."""
+        names = {"media": f"{self.request_id}.{self.media_suffix}"}
+        return names | {key: f"{self.request_id}.{suffix}" for key, suffix in _SUFFIXES.items()}
 
     def by_key(self) -> dict[str, Path]:
-        """The sidecar's `files` keys and the one file name each may name."""
-        keys = ("media", "latents", "wav", "actions", "actions_json")
-        return {key: getattr(self, key) for key in keys}
+        return {key: self.folder / name for key, name in self.names().items()}
+
+    @property
+    def media(self) -> Path:
+        return self.folder / f"{self.request_id}.{self.media_suffix}"
+
+    @property
+    def sidecar(self) -> Path:
+        return self.folder / f"{self.request_id}.json"
+
+    @property
+    def latents(self) -> Path:
+        return self.folder / f"{self.request_id}.latents.safetensors"
+
+    @property
+    def wav(self) -> Path:  # joint audio (sound requests)
+        return self.folder / f"{self.request_id}.wav"
+
+    @property
+    def actions(self) -> Path:  # predicted actions (inverse dynamics, policy): safetensors, key `actions`
+        return self.folder / f"{self.request_id}.actions.safetensors"
+
+    @property
+    def actions_json(self) -> Path:  # the same, readable
+        return self.folder / f"{self.request_id}.actions.json"
 
 
 def bucket(request_id: str) -> str:
@@ -42,25 +75,32 @@ def bucket(request_id: str) -> str:
 
 
 def request_dir(out: Path, request_id: str, layout: str = "flat") -> Path:
-    return out / bucket(request_id) if layout == "nested" else out
+    return _bucket_dir(out, bucket(request_id)) if layout == "nested" else out
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_dir(out: Path, name: str) -> Path:
+    return out / name
 
 
 def paths_for(out_dir: Path, request_id: str, num_frames: int, layout: str = "flat") -> OutputPaths:
-    """File names carry the request id; the id was validated, and we still refuse anything that escapes."""
-    root = request_dir(out_dir.resolve(), request_id, layout)
-    media = root / f"{request_id}.{'png' if num_frames == 1 else 'mp4'}"
-    paths = OutputPaths(
-        media,
-        root / f"{request_id}.json",
-        root / f"{request_id}.latents.safetensors",
-        root / f"{request_id}.wav",
-        root / f"{request_id}.actions.safetensors",
-        root / f"{request_id}.actions.json",
-    )
-    for path in (paths.sidecar, *paths.by_key().values()):
-        if path.parent != root:
-            raise ValueError(f"request id {request_id!r} would write outside {root}")
-    return paths
+    """File names carry the request id; the id was validated, and we still refuse anything that escapes:
+    a name without a separator (or NUL) stays in its folder, whatever dots it holds."""
+    if "/" in request_id or os.sep in request_id or "\0" in request_id:
+        raise ValueError(f"request id {request_id!r} would write outside {out_dir}")
+    return OutputPaths(request_dir(_resolved(out_dir), request_id, layout), request_id,
+                       "png" if num_frames == 1 else "mp4")  # fmt: skip
+
+
+def _resolved(out_dir: Path) -> Path:
+    """--out as an absolute path without links, once per folder and working directory (a rerun asks for
+    every request's paths)."""
+    return _resolve(out_dir, os.getcwd())
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(out_dir: Path, cwd: str) -> Path:
+    return out_dir.resolve()
 
 
 def media_facts(result) -> dict:
@@ -291,7 +331,7 @@ def is_complete(
     files = sidecar.get("files")
     # Only our own file names count, each inside --out with the size the sidecar recorded; anything
     # else (no media entry, a path, a malformed entry) means "not complete", never a crash.
-    expected = {key: path.name for key, path in paths.by_key().items()}
+    expected = paths.names()
     if not isinstance(files, dict) or "media" not in files:
         return False, "sidecar lists no media file"
     if need_latents and "latents" not in files:
@@ -299,11 +339,15 @@ def is_complete(
     for key in required:
         if key not in files:
             return False, f"sidecar lists no {key} file"
+    folder = str(paths.folder)
     for key, entry in files.items():
         if not isinstance(entry, dict) or entry.get("name") != expected.get(key):
             return False, f"sidecar entry {key!r} is not one of this request's files"
-        file = paths.sidecar.parent / entry["name"]
-        if not file.is_file() or file.stat().st_size != entry.get("bytes"):
+        try:
+            st = os.stat(os.path.join(folder, entry["name"]))
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.get("bytes"):
             return False, f"{entry['name']} missing or of the wrong size"
     return True, ""
 

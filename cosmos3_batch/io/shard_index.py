@@ -165,14 +165,16 @@ def shard_files(out: Path) -> list[Path]:
     return []
 
 
-def sample_complete(found: Located | None, request, key: str, save_latents: bool) -> tuple[bool, str]:
+def sample_complete(
+    found: Located | None, request, content: str, key: str, save_latents: bool
+) -> tuple[bool, str]:
     """Resume's check of a request against its newest finalized sample: same request, model and decode
     settings, and every member it must have (as `outputs.is_complete` checks a sidecar)."""
     from cosmos3_batch.io.shards import member_suffixes
 
     if found is None:
         return False, "no finalized sample"
-    if found.sample.get("request_hash") != request.content_hash():
+    if found.sample.get("request_hash") != content:
         return False, "request changed since it was generated"
     if found.sample.get("output_key") != key:
         return False, "model or decode settings changed since it was generated"

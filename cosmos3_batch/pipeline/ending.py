@@ -87,10 +87,10 @@ def write_reports(cfg: RunConfig, summary: dict, merge: bool, requests=()) -> st
     """metrics.csv, summary.json and manifest.parquet, each as far as the disk allows: a full disk loses
     none of them (the metrics rows stay in their part files, merged by the next run, which also writes the
     manifest; the summary goes to stderr). Returns what a full disk refused (one line), else None."""
-    full = None
+    full, rows = None, None
     if merge:
         try:
-            merge_metrics(cfg.out)
+            rows = {row["id"]: row for row in merge_metrics(cfg.out)[1]}
         except OSError as exc:
             if (code := disk_errno(exc)) is None:
                 raise
@@ -110,7 +110,7 @@ def write_reports(cfg: RunConfig, summary: dict, merge: bool, requests=()) -> st
         log.error("%s not written (%s); here it is:", name, exc.strerror or exc)
         print(json.dumps(summary, sort_keys=True), file=sys.stderr, flush=True)
     try:  # the requests of this run that have no record yet (a stop) are listed as pending
-        write_manifest(cfg.out, requests, tag=cfg.tag)
+        write_manifest(cfg.out, requests, tag=cfg.tag, rows=rows)
     except OSError as exc:
         if (code := disk_errno(exc)) is None:
             raise

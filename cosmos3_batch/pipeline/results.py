@@ -27,9 +27,10 @@ from cosmos3_batch.requests.parse import Request
 log = logging.getLogger("cosmos3_batch")
 
 
-def output_key(r: Request, model_identity: str, vae_tiling: bool) -> str:
-    """What besides the request decides the output bytes: the model and how we decode."""
-    text = json.dumps([r.content_hash(), model_identity, vae_tiling])
+def output_key(r: Request, model_identity: str, vae_tiling: bool, content_hash: str | None = None) -> str:
+    """What besides the request decides the output bytes: the model and how we decode. (`content_hash`:
+    the request's, when the caller has it.)"""
+    text = json.dumps([content_hash or r.content_hash(), model_identity, vae_tiling])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

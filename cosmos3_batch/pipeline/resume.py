@@ -26,16 +26,15 @@ def split_complete(
     located = latest_samples(read_indexes(cfg.out)) if shards else {}
     todo, complete = [], []
     for r in requests:
-        key = output_key(r, identity, cfg.vae_tiling)
+        content = r.content_hash()
+        key = output_key(r, identity, cfg.vae_tiling, content)
         if shards:
             found = located.get(r.id)
-            done, why = sample_complete(found, r, key, cfg.save_latents)
+            done, why = sample_complete(found, r, content, key, cfg.save_latents)
             seen = found is not None
         else:
             paths = outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout)
-            done, why = outputs.is_complete(
-                paths, r.content_hash(), key, cfg.save_latents, outputs.mode_files(r)
-            )
+            done, why = outputs.is_complete(paths, content, key, cfg.save_latents, outputs.mode_files(r))
             seen = not done and paths.sidecar.exists()
         if done and not cfg.overwrite:
             complete.append(r)

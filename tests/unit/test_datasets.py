@@ -13,6 +13,7 @@ import tarfile
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import torch
 import webdataset as wds
@@ -125,6 +126,23 @@ def test_manifest_is_read_by_pandas_and_hf_datasets(runs):
                 assert row.member in names(out / row.path)
         hf = load_dataset("parquet", data_files=str(out / "manifest.parquet"), split="train")
         assert hf.num_rows == len(IDS) and hf[0]["id"] == IDS[0]
+
+
+def test_a_rerun_manifest_reuses_the_rows_of_unchanged_sidecars(runs, monkeypatch):
+    from cosmos3_batch.io import catalog
+    from cosmos3_batch.io.manifest import build_manifest
+
+    out = runs["files"]
+    read = []
+    real = catalog._sidecar
+    monkeypatch.setattr(catalog, "_sidecar", lambda path: read.append(path.name) or real(path))
+    again = build_manifest(out)
+    assert read == ["summary.json"]  # no request's sidecar read: each row reused by its mtime
+    assert again.equals(pq.read_table(out / "manifest.parquet"))
+    (out / "d1.json").touch()  # a changed sidecar is read again
+    read.clear()
+    build_manifest(out)
+    assert sorted(read) == ["d1.json", "summary.json"]
 
 
 def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp_path):
