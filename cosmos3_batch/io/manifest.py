@@ -9,6 +9,7 @@ metrics part files), under the lock the metrics merge holds. Columns: docs/outpu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -41,6 +42,11 @@ SCHEMA = pa.schema(
         ("model", pa.string()),
         ("model_digest", pa.string()),
         ("request_hash", pa.string()),
+        ("output_key", pa.string()),  # SHA-256 of the request hash, the model identity, --vae-tiling
+        (
+            "files",
+            pa.string(),
+        ),  # JSON: files: key -> {name, bytes}; webdataset: member suffix -> [offset, bytes]
         ("rank", pa.int64()),
         ("prepare_s", pa.float64()),
         ("denoise_s", pa.float64()),
@@ -87,6 +93,24 @@ def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table
     return pa.Table.from_pylist(records, schema=SCHEMA)
 
 
+def recorded_sidecars(out: Path) -> dict[str, tuple[str, dict]]:
+    """id -> (its sidecar's mtime as recorded, what resume checks of it), from the last manifest.parquet
+    (files format): `outputs.is_complete` uses it while the sidecar's mtime is unchanged."""
+    if dataset.of(out).format != "files":
+        return {}
+    try:
+        columns = ["id", "status", "request_hash", "output_key", "files", "finished_at"]
+        table = pq.read_table(out / NAME, columns=columns).to_pydict()
+    except (OSError, pa.ArrowException, KeyError):
+        return {}
+    found = {}
+    for rid, status, content, key, files, finished in zip(*(table[c] for c in columns), strict=True):
+        if status == "ok" and files and finished:
+            sidecar = {"status": "complete", "request_hash": content, "output_key": key}
+            found[rid] = (finished, {**sidecar, "files": json.loads(files)})
+    return found
+
+
 def _previous(out: Path, fmt: str) -> dict[str, dict]:
     """The complete outputs' rows of the manifest written before (files format: reused when unchanged)."""
     if fmt != "files":
@@ -119,6 +143,8 @@ def _complete(output: Output, row: dict | None, fmt: str) -> dict:
         "model": record.get("model"),
         "model_digest": record.get("model_digest"),
         "request_hash": record.get("request_hash"),
+        "output_key": record.get("output_key"),
+        "files": json.dumps(record.get("files") or record.get("members") or {}, sort_keys=True),
         "rank": rank,
         **{k: _number(timings.get(k), float) for k in TIMINGS},
         "finished_at": iso_time(output.finished),

@@ -314,13 +314,19 @@ def write_json(path: Path, data: dict) -> int:
 
 
 def is_complete(
-    paths: OutputPaths, content_hash: str, output_key: str, need_latents: bool, required: tuple[str, ...] = ()
+    paths: OutputPaths,
+    content_hash: str,
+    output_key: str,
+    need_latents: bool,
+    required: tuple[str, ...] = (),
+    recorded: tuple[str, dict] | None = None,
 ) -> tuple[bool, str]:
     """(complete, why not). Complete = the sidecar says so, for this request, model and decode settings,
-    with every file it lists present at its recorded size (and latents when they are asked for)."""
-    try:
-        sidecar = json.loads(paths.sidecar.read_text())
-    except (OSError, ValueError):
+    with every file it lists present at its recorded size (and latents when they are asked for).
+    `recorded`: (the sidecar's mtime, its content) as the last manifest.parquet read them: used instead of
+    reading the sidecar while its mtime is still that one (a rerun over 100,000 outputs stats them)."""
+    sidecar = _sidecar_now(paths.sidecar, recorded)
+    if sidecar is None:
         return False, "no readable sidecar"
     if sidecar.get("status") != "complete":
         return False, "sidecar not complete"
@@ -350,6 +356,23 @@ def is_complete(
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.get("bytes"):
             return False, f"{entry['name']} missing or of the wrong size"
     return True, ""
+
+
+def _sidecar_now(path: Path, recorded: tuple[str, dict] | None) -> dict | None:
+    if recorded is not None:
+        from datetime import UTC, datetime
+
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return None
+        if datetime.fromtimestamp(mtime, UTC).isoformat(timespec="microseconds") == recorded[0]:
+            return recorded[1]
+    try:
+        sidecar = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return sidecar if isinstance(sidecar, dict) else None
 
 
 def pin_encoder() -> str:

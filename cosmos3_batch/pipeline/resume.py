@@ -11,6 +11,7 @@ import logging
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.dataset import Dataset, write_record
+from cosmos3_batch.io.manifest import recorded_sidecars
 from cosmos3_batch.io.shard_index import latest_samples, read_indexes, remove_stale, sample_complete
 from cosmos3_batch.pipeline.results import output_key
 from cosmos3_batch.requests.parse import Request
@@ -24,6 +25,7 @@ def split_complete(
     """(to generate, already complete); with --overwrite everything is generated again."""
     shards = dataset.format == "webdataset"
     located = latest_samples(read_indexes(cfg.out)) if shards else {}
+    recorded = {} if shards or cfg.overwrite else recorded_sidecars(cfg.out)
     todo, complete = [], []
     for r in requests:
         content = r.content_hash()
@@ -34,7 +36,10 @@ def split_complete(
             seen = found is not None
         else:
             paths = outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout)
-            done, why = outputs.is_complete(paths, content, key, cfg.save_latents, outputs.mode_files(r))
+            required = outputs.mode_files(r)
+            done, why = outputs.is_complete(
+                paths, content, key, cfg.save_latents, required, recorded.get(r.id)
+            )
             seen = not done and paths.sidecar.exists()
         if done and not cfg.overwrite:
             complete.append(r)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -128,11 +129,12 @@ def test_manifest_is_read_by_pandas_and_hf_datasets(runs):
         assert hf.num_rows == len(IDS) and hf[0]["id"] == IDS[0]
 
 
-def test_a_rerun_manifest_reuses_the_rows_of_unchanged_sidecars(runs, monkeypatch):
+def test_a_rerun_manifest_reuses_the_rows_of_unchanged_sidecars(runs, monkeypatch, tmp_path):
     from cosmos3_batch.io import catalog
     from cosmos3_batch.io.manifest import build_manifest
 
-    out = runs["files"]
+    out = tmp_path / "copy"
+    shutil.copytree(runs["files"], out)  # copy2 keeps the mtimes the manifest recorded
     read = []
     real = catalog._sidecar
     monkeypatch.setattr(catalog, "_sidecar", lambda path: read.append(path.name) or real(path))
@@ -143,6 +145,31 @@ def test_a_rerun_manifest_reuses_the_rows_of_unchanged_sidecars(runs, monkeypatc
     read.clear()
     build_manifest(out)
     assert sorted(read) == ["d1.json", "summary.json"]
+
+
+def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs, tiny_ckpt, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(runs["files"], out)  # copy2: the sidecars keep the mtimes the manifest recorded
+    sidecars = {f"{rid}.json" for rid in IDS}
+    read: list[str] = []
+    real = Path.read_text
+
+    def counting(path, *args, **kwargs):
+        if path.name in sidecars:
+            read.append(path.name)
+        return real(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "read_text", counting)
+        assert f"{len(IDS)} already complete" in run(runs["prompts"], tiny_ckpt, out).output
+        assert read == []  # every sidecar unchanged since the manifest: its recorded content is used
+        (out / "d1.png").unlink()  # ... and every file it lists is still checked on disk
+        (out / "d2.json").touch()  # a sidecar changed since: read again
+        again = run(runs["prompts"], tiny_ckpt, out)
+    assert f"1 generated, 0 failed, {len(IDS) - 1} already complete" in again.output
+    # d2's changed sidecar: read by the resume check and by the manifest; d1's new one: by the manifest only.
+    assert sorted(read) == ["d1.json", "d2.json", "d2.json"]
+    assert (out / "d1.png").read_bytes() == (runs["files"] / "d1.png").read_bytes()
 
 
 def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp_path):
