@@ -41,6 +41,7 @@ MODULE_SECONDS = {
     "tests/unit/test_dtypes.py": 45,
     "tests/unit/test_fp8_w8a8.py": 30,
     "tests/unit/test_sync_free.py": 8,
+    "tests/unit/test_datasets.py": 25,
 }
 
 
