@@ -43,7 +43,8 @@ class Output:
 
 def complete_outputs(out: Path, known: Callable[[str, float], bool] | None = None) -> dict[str, Output]:
     """Request id -> its complete output, in the format OUT was written in. `known(id, mtime)`: True for a
-    sidecar the caller already has a record of as of that mtime: it is not read, and not returned."""
+    sidecar the caller already has a record of as of that mtime (files format): it is not read, and not
+    returned."""
     held = dataset.of(out)
     if held.format == "webdataset":
         return _shard_outputs(out)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cosmos3_batch.io import dataset
@@ -78,19 +79,29 @@ def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table
     """The rows. A complete output's row of the previous manifest.parquet is kept when its sidecar has not
     changed since (same mtime): a rerun over 100,000 complete requests stats their sidecars, reads none."""
     fmt = dataset.of(out).format
-    kept = _previous(out, fmt)
-    done = complete_outputs(out, lambda rid, mtime: kept.get(rid, {}).get("finished_at") == iso_time(mtime))
+    previous, recorded = _previous(out, fmt)
+    reused: set[str] = set()
+
+    def unchanged(rid: str, mtime: float) -> bool:
+        if recorded.get(rid) == iso_time(mtime):
+            reused.add(rid)
+            return True
+        return False
+
+    done = complete_outputs(out, unchanged)
     rows = latest_rows(out, warn=False) if rows is None else rows
     known = {r.id: r for r in requests}
     records = []
-    for rid in sorted(set(done) | set(rows) | set(known) | set(kept)):
+    for rid in sorted((set(done) | set(rows) | set(known)) - reused):
         if rid in done:
             records.append(_complete(done[rid], rows.get(rid), fmt))
-        elif rid in kept and fmt == "files" and (out / kept[rid]["path"]).with_suffix(".json").exists():
-            records.append(kept[rid])  # its sidecar, unchanged since the last manifest
         else:
             records.append(_not_complete(rid, rows.get(rid), known.get(rid), fmt))
-    return pa.Table.from_pylist(records, schema=SCHEMA)
+    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    if reused:  # their rows as they were, taken over column by column
+        kept = previous.filter(pc.is_in(previous["id"], value_set=pa.array(sorted(reused), pa.string())))
+        table = pa.concat_tables([kept, table]).sort_by("id")
+    return table
 
 
 def recorded_sidecars(out: Path) -> dict[str, tuple[str, dict]]:
@@ -111,17 +122,24 @@ def recorded_sidecars(out: Path) -> dict[str, tuple[str, dict]]:
     return found
 
 
-def _previous(out: Path, fmt: str) -> dict[str, dict]:
-    """The complete outputs' rows of the manifest written before (files format: reused when unchanged)."""
+def _previous(out: Path, fmt: str) -> tuple[pa.Table | None, dict[str, str]]:
+    """The manifest written before, and id -> `finished_at` (its sidecar's mtime) of each complete output
+    in it (files format: those rows are reused while their sidecars are unchanged)."""
     if fmt != "files":
-        return {}
+        return None, {}
     try:
         table = pq.read_table(out / NAME)
-        if table.schema != SCHEMA:
-            return {}
-        return {row["id"]: row for row in table.to_pylist() if row["status"] == "ok" and row["path"]}
     except (OSError, pa.ArrowException):
-        return {}
+        return None, {}
+    if table.schema != SCHEMA:
+        return None, {}
+    columns = table.select(["id", "status", "path", "finished_at"]).to_pydict()
+    recorded = {
+        rid: finished
+        for rid, status, path, finished in zip(*columns.values(), strict=True)
+        if status == "ok" and path and finished
+    }
+    return table, recorded
 
 
 def _complete(output: Output, row: dict | None, fmt: str) -> dict:

@@ -17,7 +17,7 @@ from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.manifest import NAME as MANIFEST
 from cosmos3_batch.io.manifest import write_manifest
-from cosmos3_batch.io.metrics import PART_GLOB, STATE_DIR, merge_metrics
+from cosmos3_batch.io.metrics import STATE_DIR, merge_metrics, merge_pending, merged_rows
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.world import World
@@ -66,7 +66,7 @@ def end_run(cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started
                 "not_started": sum(report["not_started"] for report in ranks),
             }
         # Also when nothing ran: rows an earlier run could not merge (a full disk) are merged now.
-        merge = bool(ranks) or any((cfg.out / STATE_DIR).glob(PART_GLOB))
+        merge = bool(ranks) or merge_pending(cfg.out)
         full = write_reports(cfg, summary, merge, plan.requests)
         if failed:
             log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
@@ -87,7 +87,7 @@ def write_reports(cfg: RunConfig, summary: dict, merge: bool, requests=()) -> st
     """metrics.csv, summary.json and manifest.parquet, each as far as the disk allows: a full disk loses
     none of them (the metrics rows stay in their part files, merged by the next run, which also writes the
     manifest; the summary goes to stderr). Returns what a full disk refused (one line), else None."""
-    full, rows = None, None
+    full, rows = None, None if merge else merged_rows(cfg.out)
     if merge:
         try:
             rows = {row["id"]: row for row in merge_metrics(cfg.out)[1]}
