@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cosmos3_batch.io.metrics import iso_time
-from cosmos3_batch.io.outputs import _fsync_dir, write_json
+from cosmos3_batch.io.outputs import _fsync_dir
 from cosmos3_batch.io.shards import (
     INDEX_DIR,
     SHARDS,
@@ -26,6 +26,7 @@ from cosmos3_batch.io.shards import (
     index_path,
     padded_size,
     tar_identity,
+    write_index,
     writer_prefix,
 )
 
@@ -138,7 +139,7 @@ def _rewrite(out: Path, index: dict, stale: set[str]) -> None:
         rewritten = {**index, "samples": keep, **tar_identity(tmp), "rewritten_at": iso_time(time.time())}
         # The index is replaced before the tar: in between, the old tar's inode no longer matches, so readers
         # skip the shard for that instant instead of reading members at the wrong offsets.
-        write_json(index_path(out, index["shard"]), rewritten)
+        write_index(index_path(out, index["shard"]), rewritten)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
     finally:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cosmos3_batch.io.metrics import STATE_DIR, iso_time
-from cosmos3_batch.io.outputs import PREDICTS_ACTIONS, _fsync_dir, write_json
+from cosmos3_batch.io.outputs import PREDICTS_ACTIONS, _fsync_dir, atomic_write
 
 SHARDS = "shards"  # OUT/shards/<kind>/*.tar
 INDEX_DIR = f"{STATE_DIR}/shards"  # OUT/.cosmos3_batch/shards/<kind>/<name>.json
@@ -222,7 +222,7 @@ class ShardWriter:
                 "tag": self.tag,
                 "samples": [p.sample for p in pending],
             }
-            write_json(index_path(self.out, shard.name), index)
+            write_index(index_path(self.out, shard.name), index)
             os.replace(shard.tmp, final)
             _fsync_dir(final.parent)
         except BaseException as exc:
@@ -235,6 +235,12 @@ class ShardWriter:
                 raise ShardLost(pending, exc) from exc
             raise
         return pending
+
+
+def write_index(path: Path, index: dict) -> None:
+    """A shard's index, compact (100,000 samples of small images: 75 MB, not 124 MB indented)."""
+    text = json.dumps(index, separators=(",", ":"), sort_keys=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def tar_identity(path: Path) -> dict:

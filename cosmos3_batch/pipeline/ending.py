@@ -110,7 +110,8 @@ def write_reports(cfg: RunConfig, summary: dict, merge: bool, requests=()) -> st
         log.error("%s not written (%s); here it is:", name, exc.strerror or exc)
         print(json.dumps(summary, sort_keys=True), file=sys.stderr, flush=True)
     try:  # the requests of this run that have no record yet (a stop) are listed as pending
-        write_manifest(cfg.out, requests, tag=cfg.tag, rows=rows)
+        # The tag: this run's shards are rewritten without samples it generated again (none when it ran none).
+        write_manifest(cfg.out, requests, tag=cfg.tag if requests else None, rows=rows)
     except OSError as exc:
         if (code := disk_errno(exc)) is None:
             raise
