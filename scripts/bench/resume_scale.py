@@ -2,15 +2,16 @@
 the cost of writing one more sample as the dataset grows, for the nested files layout, the flat one, and
 WebDataset shards.
 
-    python scripts/bench/resume_scale.py [--quick] [--count N]
+    python scripts/bench/resume_scale.py [--quick] [--count N] [--layouts nested,flat,webdataset]
 
 For each layout: N complete outputs (tiny 32x32 PNG requests) are written with the job's own writer
 (`pipeline/results.ResultWriter`, sidecars or shards and metrics rows as a run writes them); the writes
 of the first 1,000 and of the last 1,000 are timed with fsync as a run does, the ones between are written
-with fsync off to keep the set-up short (what is on disk is the same). Then `cosmos3-batch run` is
-started on the same request file in a fresh process, as a user reruns a finished job (its wall time), then
-once more in this process (imports done: the start-up the project's own code takes); both must find all N
-complete. Goal: <= 10 s at 100,000 (the default N; --quick: 5,000).
+with fsync off to keep the set-up short (what is on disk is the same); then metrics.csv and
+manifest.parquet are written as the run's end writes them. Then `cosmos3-batch run` is started on the
+same request file in a fresh process, as a user reruns a finished job, and once more in this process
+(imports done: the start-up the project's own code takes); both must find all N complete. Wall and CPU
+seconds of each. Goal: <= 10 s at 100,000 (the default N; --quick: 5,000).
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def fill(out: Path, prompts: Path, fmt: str, layout: str, model: Path) -> tuple[
     writer.finish()
     metrics.close()
     assert len(writer.ok) == len(requests) and not writer.failed
+    from cosmos3_batch.io.manifest import write_manifest
+    from cosmos3_batch.io.metrics import merge_metrics
+
+    merge_metrics(out)  # what the end of the run that wrote them leaves, as a rerun finds it
+    write_manifest(out, tag=cfg.tag)
     first, last = times[:TIMED], times[-TIMED:]
     return 1e3 * sum(first) / len(first), 1e3 * sum(last) / len(last)
 
@@ -134,6 +140,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="5,000 requests (a smoke run).")
     parser.add_argument("--count", type=int, default=None, help="Complete requests (default 100,000).")
+    parser.add_argument(
+        "--layouts", default="nested,flat,webdataset", help="Which of nested, flat, webdataset."
+    )
     args = parser.parse_args()
     count = args.count or (5_000 if args.quick else 100_000)
     from cosmos3_batch.model.tiny import ensure_default_tiny
@@ -147,7 +156,9 @@ def main() -> None:
               f" load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
         print(f"{'layout':>12} {'write ms first':>14} {'write ms last':>13} {'last/first':>10} "
               f"{'rerun s':>8} {'(cpu)':>6} {'in-process s':>12} {'(cpu)':>6} {'s/goal':>7}")  # fmt: skip
-        for fmt, layout in (("files", "nested"), ("files", "flat"), ("webdataset", "-")):
+        chosen = args.layouts.split(",")
+        layouts = [("files", "nested"), ("files", "flat"), ("webdataset", "-")]
+        for fmt, layout in [(f, x) for f, x in layouts if (x if f == "files" else f) in chosen]:
             out = root / f"{fmt}-{layout}"
             first, last = fill(out, prompts, fmt, layout, model)
             fresh, fresh_cpu, warm, warm_cpu = rerun(out, prompts, model, fmt, count)
