@@ -52,7 +52,7 @@ def launch(prompts, tiny_ckpt, out) -> subprocess.Popen:
         "--format",
         "webdataset",
         "--shard-size",
-        "2",
+        "3",  # a rank's 5 samples: a shard of 3 finalized, then one open for 2 (the kill's window)
     ]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
