@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from cosmos3_batch import cli_data
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 
@@ -149,6 +150,9 @@ def run(
     samples_per_prompt: Annotated[int, typer.Option(help=SAMPLES_HELP)] = 1,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
+    format: cli_data.Format = "files",
+    layout: cli_data.Layout = None,
+    shard_size: cli_data.ShardSize = None,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
     the job; 2: bad input (nothing loaded); 75: the output filesystem is full or read-only (free space and
@@ -188,6 +192,9 @@ def run(
             samples_per_prompt=samples_per_prompt,
             prompt_column=prompt_column,
             id_column=id_column,
+            format=format,
+            layout=layout,
+            shard_size=shard_size,
         )
     except ConfigError as exc:  # the same flags on every rank: one of them says so
         if os.environ.get("RANK", "0") == "0":
@@ -365,22 +372,7 @@ def convert(
     )
 
 
-@app.command()
-def report(
-    out: Annotated[Path, typer.Argument(help="A run's --out folder.")],
-    page_size: Annotated[int, typer.Option(help="Outputs per HTML page.")] = 300,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar while thumbnails are made.")] = True,
-) -> None:
-    """Write OUT/report.html: a thumbnail, prompt and settings per output (failures with their error) and
-    the run's pass timeline, occupancy, stall and bytes moved. Opens offline; pages of --page-size."""
-    from cosmos3_batch.io.report import write_report
-
-    try:
-        path = write_report(out, page_size, progress)
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"wrote {path}")
+cli_data.register(app)  # report, status, manifest, export lerobot
 
 
 def _setup_logging() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cosmos3_batch.checkpoint.hub import ModelSource, resolve_model
 from cosmos3_batch.engine.transport import OffloadMode, parse_offload
+from cosmos3_batch.io.dataset import FORMATS, LAYOUTS, parse_shard_size
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.requests.fields import MAX_SAMPLES
@@ -54,6 +55,10 @@ class RunConfig:
     samples_per_prompt: int = 1  # requests naming no "samples" fan out into this many (DESIGN.md §13)
     prompt_column: str | None = None  # table inputs: the column holding the prompt / the id
     id_column: str | None = None
+    format: str = "files"  # files | webdataset (DESIGN.md §12, io/dataset.py)
+    layout: str | None = None  # files: flat | nested; None: what OUT holds, else nested above 10k requests
+    shard_bytes: int = 10**9  # webdataset: a shard is finalized at this many bytes (0: no byte limit) ...
+    shard_samples: int = 0  # ... or at this many samples (0: no sample limit)
 
     @property
     def tag(self) -> str:
@@ -93,6 +98,10 @@ class RunConfig:
         for flag, value in (("--dtype", self.dtype), ("--vae-dtype", self.vae_dtype)):
             if value not in DTYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.layout is not None and (self.layout not in LAYOUTS or self.format != "files"):
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, and only with --format files")
         if not self.prompts:
             raise ValueError("PROMPTS: name at least one request file (or - for standard input)")
         if not 1 <= self.samples_per_prompt <= MAX_SAMPLES:
@@ -107,17 +116,22 @@ def make_config(
     prefill: tuple[float, int, int] | None = None,
     model: str | Path | None = None,
     prompts: str | Path | tuple[str, ...] = (),
+    shard_size: str | None = None,
     **flags,
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
     `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead); `model` a folder or a
-    Hugging Face repo id (resolved here, before anything loads)."""
+    Hugging Face repo id (resolved here, before anything loads); `shard_size` as --shard-size."""
     from cosmos3_batch.plan.schedule import parse_shard
 
     try:
         parsed = None if shard is None else parse_shard(shard)
         rule = PrefillRule() if prefill is None else PrefillRule(*prefill)
         source = None if model is None else resolve_model(str(model))
+        if shard_size is not None:
+            if flags.get("format", "files") != "webdataset":
+                raise ValueError("--shard-size applies to --format webdataset only")
+            flags["shard_bytes"], flags["shard_samples"] = parse_shard_size(shard_size)
         return RunConfig(
             offload=parse_offload(offload),
             shard=parsed,

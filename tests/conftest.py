@@ -6,6 +6,11 @@ import json
 import os
 from pathlib import Path
 
+# HF `datasets` reads what the tests write (shards, parquet): it must never reach the network. Set before
+# anything imports huggingface_hub or datasets, which read these once.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import numpy as np
 import pytest
 import torch
@@ -36,6 +41,7 @@ MODULE_SECONDS = {
     "tests/unit/test_dtypes.py": 45,
     "tests/unit/test_fp8_w8a8.py": 30,
     "tests/unit/test_sync_free.py": 8,
+    "tests/unit/test_datasets.py": 25,
 }
 
 

@@ -138,24 +138,55 @@ def merge_metrics(out_dir: Path) -> tuple[Path, list[dict]]:
 
     Array tasks sharing --out may finish together: the lock makes each read-merge-rename see the
     others' finished merges, so the last one writes the full union."""
-    with open(out_dir / STATE_DIR / "metrics.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with merge_lock(out_dir):
         return _merge_locked(out_dir)
 
 
-def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
+@contextlib.contextmanager
+def merge_lock(out_dir: Path):
+    """Held while a run's end rewrites what every array task sharing OUT contributes to (metrics.csv,
+    manifest.parquet, shards rewritten without superseded samples)."""
+    with open(out_dir / STATE_DIR / "metrics.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def latest_rows(out_dir: Path, warn: bool = True) -> dict[str, dict]:
+    """Request id -> its latest row over every part file in OUT (all runs, ranks and array tasks)."""
     rows: dict[str, dict] = {}
-    parts = sorted((out_dir / STATE_DIR).glob(PART_GLOB))
     all_rows = []
-    for part in parts:
+    for part in sorted((out_dir / STATE_DIR).glob(PART_GLOB)):
         good, bad = read_part(part)
         all_rows += good
-        if bad:
+        if bad and warn:
             log.warning("%s: skipped %d unreadable line(s) (a crash mid-append?)", part, bad)
     # Part files of older versions may lack columns (None here) or hold Unix times: ISO text sorts alike.
     for row in sorted(all_rows, key=lambda r: _sort_time(r.get("finished_at"))):
         rows[row["id"]] = {key: row.get(key) or "" for key in COLUMNS}
-    merged = sorted(rows.values(), key=lambda r: r["id"])
+    return rows
+
+
+def merge_pending(out_dir: Path) -> bool:
+    """Some part file holds rows metrics.csv lacks (it is missing, or older than a part): the rerun of a
+    finished job merges nothing (at 100,000 requests the merge was seconds of its start-up and end)."""
+    try:
+        merged = (out_dir / "metrics.csv").stat().st_mtime_ns
+    except OSError:
+        merged = -1
+    return any(part.stat().st_mtime_ns >= merged for part in (out_dir / STATE_DIR).glob(PART_GLOB))
+
+
+def merged_rows(out_dir: Path) -> dict[str, dict] | None:
+    """metrics.csv's rows by id (the latest row of each request), or None if it cannot be read."""
+    try:
+        with open(out_dir / "metrics.csv", newline="") as f:
+            return {row["id"]: row for row in csv.DictReader(f)}
+    except (OSError, csv.Error, KeyError):
+        return None
+
+
+def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
+    merged = sorted(latest_rows(out_dir).values(), key=lambda r: r["id"])
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
     writer.writeheader()

@@ -6,9 +6,12 @@ every other file, so a crash between files never leaves something that looks fin
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,38 +22,85 @@ import numpy as np
 from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
 from cosmos3_batch.io.space import disk_errno
 
+# The sidecar's `files` keys besides the media, and the suffix of each one's file.
+_SUFFIXES = {"latents": "latents.safetensors", "wav": "wav", "actions": "actions.safetensors",
+             "actions_json": "actions.json"}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class OutputPaths:
-    media: Path
-    sidecar: Path
-    latents: Path
-    wav: Path  # joint audio (sound requests)
-    actions: Path  # predicted actions (inverse dynamics, policy): safetensors, key `actions`
-    actions_json: Path  # the same, readable
+    """A request's files: `folder` / `<id>.<suffix>`, each path made when asked for (a rerun over 100,000
+    complete requests checks their names and sizes, and needs few Path objects)."""
+
+    folder: Path
+    request_id: str
+    media_suffix: str  # png (1 frame) or mp4
+
+    def names(self) -> dict[str, str]:
+        """The sidecar's `files` keys and the one file name each may name."""
+        names = {"media": f"{self.request_id}.{self.media_suffix}"}
+        return names | {key: f"{self.request_id}.{suffix}" for key, suffix in _SUFFIXES.items()}
 
     def by_key(self) -> dict[str, Path]:
-        """The sidecar's `files` keys and the one file name each may name."""
-        keys = ("media", "latents", "wav", "actions", "actions_json")
-        return {key: getattr(self, key) for key in keys}
+        return {key: self.folder / name for key, name in self.names().items()}
+
+    @property
+    def media(self) -> Path:
+        return self.folder / f"{self.request_id}.{self.media_suffix}"
+
+    @property
+    def sidecar(self) -> Path:
+        return self.folder / f"{self.request_id}.json"
+
+    @property
+    def latents(self) -> Path:
+        return self.folder / f"{self.request_id}.latents.safetensors"
+
+    @property
+    def wav(self) -> Path:  # joint audio (sound requests)
+        return self.folder / f"{self.request_id}.wav"
+
+    @property
+    def actions(self) -> Path:  # predicted actions (inverse dynamics, policy): safetensors, key `actions`
+        return self.folder / f"{self.request_id}.actions.safetensors"
+
+    @property
+    def actions_json(self) -> Path:  # the same, readable
+        return self.folder / f"{self.request_id}.actions.json"
 
 
-def paths_for(out_dir: Path, request_id: str, num_frames: int) -> OutputPaths:
-    """File names carry the request id; the id was validated, and we still refuse anything that escapes."""
-    root = out_dir.resolve()
-    media = root / f"{request_id}.{'png' if num_frames == 1 else 'mp4'}"
-    paths = OutputPaths(
-        media,
-        root / f"{request_id}.json",
-        root / f"{request_id}.latents.safetensors",
-        root / f"{request_id}.wav",
-        root / f"{request_id}.actions.safetensors",
-        root / f"{request_id}.actions.json",
-    )
-    for path in (paths.sidecar, *paths.by_key().values()):
-        if path.parent != root:
-            raise ValueError(f"request id {request_id!r} would write outside {root}")
-    return paths
+def bucket(request_id: str) -> str:
+    """`--layout nested`: a request's subfolder, 2 hex digits of SHA-256 of its id (256, evenly filled)."""
+    return hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:2]
+
+
+def request_dir(out: Path, request_id: str, layout: str = "flat") -> Path:
+    return _bucket_dir(out, bucket(request_id)) if layout == "nested" else out
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_dir(out: Path, name: str) -> Path:
+    return out / name
+
+
+def paths_for(out_dir: Path, request_id: str, num_frames: int, layout: str = "flat") -> OutputPaths:
+    """File names carry the request id; the id was validated, and we still refuse anything that escapes:
+    a name without a separator (or NUL) stays in its folder, whatever dots it holds."""
+    if "/" in request_id or os.sep in request_id or "\0" in request_id:
+        raise ValueError(f"request id {request_id!r} would write outside {out_dir}")
+    return OutputPaths(request_dir(_resolved(out_dir), request_id, layout), request_id,
+                       "png" if num_frames == 1 else "mp4")  # fmt: skip
+
+
+def _resolved(out_dir: Path) -> Path:
+    """--out as an absolute path without links, once per folder and working directory (a rerun asks for
+    every request's paths)."""
+    return _resolve(out_dir, os.getcwd())
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(out_dir: Path, cwd: str) -> Path:
+    return out_dir.resolve()
 
 
 def media_facts(result) -> dict:
@@ -79,11 +129,18 @@ PREDICTS_ACTIONS = ("inverse_dynamics", "policy")  # forward dynamics is given i
 
 def write_actions(paths: OutputPaths, actions, request) -> dict[str, dict]:
     """`<id>.actions.safetensors` (the reference's tensor) and `<id>.actions.json`; their `files` entries."""
-    from safetensors.torch import save_file
+    size = atomic_write(paths.actions, lambda tmp: render_actions(tmp, actions))
+    json_size = write_json(paths.actions_json, readable_actions(actions, request))
+    return {
+        "actions": {"name": paths.actions.name, "bytes": size},
+        "actions_json": {"name": paths.actions_json.name, "bytes": json_size},
+    }
 
+
+def readable_actions(actions, request) -> dict:
+    """`<id>.actions.json`: the rows as decimals that read back to the same float32 values."""
     spec = request.action
-    size = atomic_write(paths.actions, lambda tmp: save_file({"actions": actions.contiguous()}, str(tmp)))
-    readable = {
+    return {
         "id": request.id,
         "mode": spec.mode,
         "domain": spec.domain,
@@ -91,11 +148,6 @@ def write_actions(paths: OutputPaths, actions, request) -> dict[str, dict]:
         "shape": list(actions.shape),
         # float32 values printed as the shortest decimals that read back to the same float32
         "actions": [[float(str(np.float32(x))) for x in row] for row in actions.tolist()],
-    }
-    json_size = write_json(paths.actions_json, readable)
-    return {
-        "actions": {"name": paths.actions.name, "bytes": size},
-        "actions_json": {"name": paths.actions_json.name, "bytes": json_size},
     }
 
 
@@ -121,11 +173,12 @@ _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp\.[^.
 _STEM_SUFFIXES = (".latents", ".silent", ".actions")
 
 
-def remove_stale_temporaries(out_dir: Path, ids: set[str]) -> int:
+def remove_stale_temporaries(out_dir: Path, ids: set[str], layout: str = "flat") -> int:
     """Delete temporaries that a killed run left for *these* requests. Other jobs (array tasks of other
     shards) may share --out and be writing their own requests' temporaries right now: never touch those."""
     removed = 0
-    for path in out_dir.glob(".*.tmp.*"):
+    folders = {out_dir} if layout == "flat" else {request_dir(out_dir, i, layout) for i in ids}
+    for path in (p for folder in sorted(folders) for p in folder.glob(".*.tmp.*")):
         match = _TEMPORARY.match(path.name)
         stem = match["stem"] if match else ""
         for suffix in _STEM_SUFFIXES:
@@ -177,33 +230,40 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return (frames * 255).round().astype(np.uint8)
 
 
-def write_png(path: Path, frame: np.ndarray) -> int:
+def render_png(path: Path, frame: np.ndarray) -> None:
     from PIL import Image
 
-    return atomic_write(path, lambda tmp: Image.fromarray(frame).save(tmp, format="PNG"))
+    Image.fromarray(frame).save(path, format="PNG")
+
+
+def write_png(path: Path, frame: np.ndarray) -> int:
+    return atomic_write(path, lambda tmp: render_png(tmp, frame))
 
 
 def write_mp4(path: Path, frames: np.ndarray, fps: float, audio: tuple | None = None) -> int:
     """H.264 MP4; with `audio` = (waveform [channels, samples], sample rate), also an AAC track as long as
     the video."""
+    return atomic_write(path, lambda tmp: render_mp4(tmp, frames, fps, audio, final=path))
+
+
+def render_mp4(tmp: Path, frames: np.ndarray, fps: float, audio: tuple | None, final: Path) -> None:
+    """The MP4 into `tmp` (`final`: the name its silent intermediate is named after)."""
     if audio is None:
-        return atomic_write(path, lambda tmp: _write_h264(tmp, frames, fps))
+        _write_h264(tmp, frames, fps)
+        return
+    from cosmos3_batch.io.audio import mux_audio
 
-    def write(tmp: Path) -> None:
-        from cosmos3_batch.io.audio import mux_audio
-
-        fd, name = tempfile.mkstemp(
-            prefix=f".{path.stem}.silent.{os.getpid()}.", suffix=".tmp.mp4", dir=path.parent
-        )
-        os.close(fd)
-        silent = Path(name)
-        try:
-            _write_h264(silent, frames, fps)
-            mux_audio(silent, tmp, audio[0], audio[1], duration_s=len(frames) / fps)
-        finally:
-            silent.unlink(missing_ok=True)
-
-    return atomic_write(path, write)
+    # The mux starts from a silent video beside the final file.
+    fd, name = tempfile.mkstemp(
+        prefix=f".{final.stem}.silent.{os.getpid()}.", suffix=".tmp.mp4", dir=final.parent
+    )
+    os.close(fd)
+    silent = Path(name)
+    try:
+        _write_h264(silent, frames, fps)
+        mux_audio(silent, tmp, audio[0], audio[1], duration_s=len(frames) / fps)
+    finally:
+        silent.unlink(missing_ok=True)
 
 
 def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
@@ -227,14 +287,25 @@ def write_wav(path: Path, waveform, sample_rate: int) -> int:
     return atomic_write(path, lambda tmp: write_wav_file(tmp, waveform, sample_rate))
 
 
-def write_latents(path: Path, latents, sound=None) -> int:
+def render_latents(path: Path, latents, sound=None) -> None:
     """`latents` [1, C, T, H, W]; with joint audio also `sound`: the waveform as the reference returns it."""
     from safetensors.torch import save_file
 
     tensors = {"latents": latents.contiguous()}
     if sound is not None:
         tensors["sound"] = sound.contiguous()
-    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    save_file(tensors, str(path))
+
+
+def write_latents(path: Path, latents, sound=None) -> int:
+    return atomic_write(path, lambda tmp: render_latents(tmp, latents, sound))
+
+
+def render_actions(path: Path, actions) -> None:
+    """`<id>.actions.safetensors`: key `actions`, float32 [T, D], the reference's tensor."""
+    from safetensors.torch import save_file
+
+    save_file({"actions": actions.contiguous()}, str(path))
 
 
 def write_json(path: Path, data: dict) -> int:
@@ -243,13 +314,19 @@ def write_json(path: Path, data: dict) -> int:
 
 
 def is_complete(
-    paths: OutputPaths, content_hash: str, output_key: str, need_latents: bool, required: tuple[str, ...] = ()
+    paths: OutputPaths,
+    content_hash: str,
+    output_key: str,
+    need_latents: bool,
+    required: tuple[str, ...] = (),
+    recorded: tuple[str, dict] | None = None,
 ) -> tuple[bool, str]:
     """(complete, why not). Complete = the sidecar says so, for this request, model and decode settings,
-    with every file it lists present at its recorded size (and latents when they are asked for)."""
-    try:
-        sidecar = json.loads(paths.sidecar.read_text())
-    except (OSError, ValueError):
+    with every file it lists present at its recorded size (and latents when they are asked for).
+    `recorded`: (the sidecar's mtime, its content) as the last manifest.parquet read them: used instead of
+    reading the sidecar while its mtime is still that one (a rerun over 100,000 outputs stats them)."""
+    sidecar = _sidecar_now(paths.sidecar, recorded)
+    if sidecar is None:
         return False, "no readable sidecar"
     if sidecar.get("status") != "complete":
         return False, "sidecar not complete"
@@ -260,7 +337,7 @@ def is_complete(
     files = sidecar.get("files")
     # Only our own file names count, each inside --out with the size the sidecar recorded; anything
     # else (no media entry, a path, a malformed entry) means "not complete", never a crash.
-    expected = {key: path.name for key, path in paths.by_key().items()}
+    expected = paths.names()
     if not isinstance(files, dict) or "media" not in files:
         return False, "sidecar lists no media file"
     if need_latents and "latents" not in files:
@@ -268,13 +345,34 @@ def is_complete(
     for key in required:
         if key not in files:
             return False, f"sidecar lists no {key} file"
+    folder = str(paths.folder)
     for key, entry in files.items():
         if not isinstance(entry, dict) or entry.get("name") != expected.get(key):
             return False, f"sidecar entry {key!r} is not one of this request's files"
-        file = paths.sidecar.parent / entry["name"]
-        if not file.is_file() or file.stat().st_size != entry.get("bytes"):
+        try:
+            st = os.stat(os.path.join(folder, entry["name"]))
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.get("bytes"):
             return False, f"{entry['name']} missing or of the wrong size"
     return True, ""
+
+
+def _sidecar_now(path: Path, recorded: tuple[str, dict] | None) -> dict | None:
+    if recorded is not None:
+        from datetime import UTC, datetime
+
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return None
+        if datetime.fromtimestamp(mtime, UTC).isoformat(timespec="microseconds") == recorded[0]:
+            return recorded[1]
+    try:
+        sidecar = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return sidecar if isinstance(sidecar, dict) else None
 
 
 def pin_encoder() -> str:

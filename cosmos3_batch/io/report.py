@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cosmos3_batch.io import figures
+from cosmos3_batch.io.catalog import Output, complete_outputs
 from cosmos3_batch.io.metrics import STATE_DIR
 from cosmos3_batch.io.outputs import atomic_write
 
@@ -41,6 +42,7 @@ class Entry:
     media: str = ""  # file name under OUT, for ok entries
     error: str = ""
     thumb: str = ""  # path relative to OUT
+    output: Output | None = None  # where its media is: a file, or a member of a shard
 
 
 def write_report(out: Path, page_size: int = PAGE_SIZE, progress: bool = True) -> Path:
@@ -54,8 +56,8 @@ def write_report(out: Path, page_size: int = PAGE_SIZE, progress: bool = True) -
     thumbs = out / REPORT_DIR / "thumbs"
     thumbs.mkdir(parents=True, exist_ok=True)
     for entry in tqdm(entries, desc="thumbnails", unit="output", disable=not progress):
-        if entry.media:
-            entry.thumb = make_thumbnail(out, entry.media, thumbs)
+        if entry.output is not None:
+            entry.thumb = make_thumbnail(out, entry.output, thumbs)
     pages = [entries[i : i + page_size] for i in range(0, len(entries), page_size)] or [[]]
     figures_html = run_figures(out, summaries)
     for number, page in enumerate(pages, start=1):
@@ -76,29 +78,19 @@ def collect(out: Path, summaries: list[Path]) -> list[Entry]:
     """Every request this folder has a record of: complete sidecars, and metrics rows of the others."""
     rows = _metrics_rows(out)
     entries: dict[str, Entry] = {}
-    for path in out.glob("*.json"):
-        if SUMMARY_NAME.match(path.name):
-            continue
-        try:
-            sidecar = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(sidecar, dict) or sidecar.get("status") != "complete" or "id" not in sidecar:
-            continue
-        request = sidecar.get("request") or {}
-        media = (sidecar.get("files") or {}).get("media") or {}
-        name = str(media.get("name", ""))
-        # Only a plain file name of a file that is there: a sidecar never makes the page link elsewhere.
-        name = name if name and Path(name).name == name and (out / name).is_file() else ""
-        entries[sidecar["id"]] = Entry(
-            id=str(sidecar["id"]),
+    for rid, output in complete_outputs(out).items():
+        request = output.record.get("request") or {}
+        entries[rid] = Entry(
+            id=rid,
             status="ok",
-            kind=str(sidecar.get("kind", "")),
+            kind=str(output.record.get("kind", "")),
             prompt=str(request.get("prompt", "")),
-            seed=str(sidecar.get("seed", "")),
+            seed=str(output.record.get("seed", "")),
             steps=str(request.get("num_inference_steps", "")),
             guidance=str(request.get("guidance_scale", "")),
-            media=name,
+            # A file under OUT (flat or nested), or the shard holding the sample (catalog.py checks both).
+            media=output.path,
+            output=output,
         )
     prompts = _prompts(summaries)
     for rid, row in rows.items():
@@ -144,22 +136,26 @@ def _prompts(summaries: list[Path]) -> dict[str, str]:
     return found
 
 
-def make_thumbnail(out: Path, media: str, thumbs: Path) -> str:
-    """A JPEG of at most THUMB_PX a side: the image itself, or a video's first frame (its poster)."""
+def make_thumbnail(out: Path, output: Output, thumbs: Path) -> str:
+    """A JPEG of at most THUMB_PX a side: the image itself, or a video's first frame (its poster); a
+    webdataset sample's media is read from its shard at its offset."""
+    import io
+
     from PIL import Image
 
-    source = out / media
-    dest = thumbs / f"{Path(media).stem}.jpg"
+    media = Path(output.member or output.path)
+    dest = thumbs / f"{output.id}.jpg"  # ids are safe in a URL; a member's key may hold "%2E"
     try:
-        if dest.exists() and dest.stat().st_mtime >= source.stat().st_mtime:
+        if dest.exists() and dest.stat().st_mtime >= output.finished:
             return str(dest.relative_to(out))
-        if source.suffix == ".mp4":
+        data = output.read(out, media.suffix.lstrip("."))
+        if media.suffix == ".mp4":
             import imageio.v3 as iio
 
-            image = Image.fromarray(iio.imread(source, index=0, plugin="FFMPEG"))
+            image = Image.fromarray(iio.imread(data, index=0, plugin="FFMPEG", extension=".mp4"))
         else:
-            image = Image.open(source).convert("RGB")
-    except (OSError, ValueError, RuntimeError):
+            image = Image.open(io.BytesIO(data)).convert("RGB")
+    except (OSError, ValueError, RuntimeError, KeyError):
         return ""  # unreadable output: the entry still links to it
     image.thumbnail((THUMB_PX, THUMB_PX))
     atomic_write(dest, lambda tmp: image.save(tmp, format="JPEG", quality=85))

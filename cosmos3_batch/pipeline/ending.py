@@ -15,7 +15,9 @@ from typing import NamedTuple
 
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.metrics import PART_GLOB, STATE_DIR, merge_metrics
+from cosmos3_batch.io.manifest import NAME as MANIFEST
+from cosmos3_batch.io.manifest import write_manifest
+from cosmos3_batch.io.metrics import STATE_DIR, merge_metrics, merge_pending, merged_rows
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.world import World
@@ -64,7 +66,8 @@ def end_run(cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started
                 "not_started": sum(report["not_started"] for report in ranks),
             }
         # Also when nothing ran: rows an earlier run could not merge (a full disk) are merged now.
-        full = write_reports(cfg, summary, merge=bool(ranks) or any((cfg.out / STATE_DIR).glob(PART_GLOB)))
+        merge = bool(ranks) or merge_pending(cfg.out)
+        full = write_reports(cfg, summary, merge, plan.requests)
         if failed:
             log.error("%d request(s) failed: %s", len(failed), ", ".join(sorted(failed)))
     # Also the barrier after which summary.json exists; and a disk that filled only now is a full disk.
@@ -80,14 +83,14 @@ def end_run(cfg: RunConfig, world: World, plan: Plan, ranks: list[dict], started
     return Outcome(int(code), describe_summary(summary, cfg.out), error)
 
 
-def write_reports(cfg: RunConfig, summary: dict, merge: bool) -> str | None:
-    """metrics.csv and summary.json, each as far as the disk allows: a full disk loses neither (the metrics
-    rows stay in their part files, merged by the next run; the summary goes to stderr). Returns what a full
-    disk refused (one line), else None."""
-    full = None
+def write_reports(cfg: RunConfig, summary: dict, merge: bool, requests=()) -> str | None:
+    """metrics.csv, summary.json and manifest.parquet, each as far as the disk allows: a full disk loses
+    none of them (the metrics rows stay in their part files, merged by the next run, which also writes the
+    manifest; the summary goes to stderr). Returns what a full disk refused (one line), else None."""
+    full, rows = None, None if merge else merged_rows(cfg.out)
     if merge:
         try:
-            merge_metrics(cfg.out)
+            rows = {row["id"]: row for row in merge_metrics(cfg.out)[1]}
         except OSError as exc:
             if (code := disk_errno(exc)) is None:
                 raise
@@ -106,4 +109,12 @@ def write_reports(cfg: RunConfig, summary: dict, merge: bool) -> str | None:
         full = full or describe_refusal(code, cfg.out / name, cfg.out)
         log.error("%s not written (%s); here it is:", name, exc.strerror or exc)
         print(json.dumps(summary, sort_keys=True), file=sys.stderr, flush=True)
+    try:  # the requests of this run that have no record yet (a stop) are listed as pending
+        # The tag: this run's shards are rewritten without samples it generated again (none when it ran none).
+        write_manifest(cfg.out, requests, tag=cfg.tag if requests else None, rows=rows)
+    except OSError as exc:
+        if (code := disk_errno(exc)) is None:
+            raise
+        full = full or describe_refusal(code, cfg.out / MANIFEST, cfg.out)
+        log.error("%s not written (%s): `cosmos3-batch manifest %s` writes it", MANIFEST, exc, cfg.out)
     return full

@@ -22,7 +22,7 @@ from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
 from cosmos3_batch.checkpoint.watch import CheckpointWatch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
-from cosmos3_batch.io import outputs
+from cosmos3_batch.io import dataset, outputs
 from cosmos3_batch.io.metrics import MetricsWriter, state_dir, write_passes
 from cosmos3_batch.io.space import check_room, disk_errno, output_bytes
 from cosmos3_batch.model.limits import limits_for
@@ -39,7 +39,8 @@ from cosmos3_batch.pipeline.context import load_context
 from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
 from cosmos3_batch.pipeline.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job_plan import Plan
-from cosmos3_batch.pipeline.results import ResultWriter, output_key
+from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
+from cosmos3_batch.pipeline.resume import prepare_out, split_complete
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import preview, rank_report
@@ -109,7 +110,18 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
-    errors = token_errors(requests, helper, int(getattr(tokenizer, "model_max_length", 1 << 30)))
+    try:  # decided on the whole input, so every array task of the job decides alike
+        held = dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests))
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
+    mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
+    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
+    todo, complete = split_complete(cfg, mine, identity, held)
+    # Complete outputs were made from these very prompts by this model: their tokens need no second look
+    # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
+    done = {r.id for r in complete}
+    limit = int(getattr(tokenizer, "model_max_length", 1 << 30))
+    errors = token_errors([r for r in requests if r.id not in done], helper, limit)
     invalid = invalid + errors
     if invalid and not cfg.skip_invalid:
         raise BadInput(str(RequestFileError(", ".join(cfg.prompts), invalid)))
@@ -118,30 +130,15 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     bad_lines = {(e.source, e.line) for e in errors}
-    valid = [r for r in requests if (r.source, r.line) not in bad_lines]
-    if valid:  # a job that could not write even its largest output must not start
+    todo = [r for r in todo if (r.source, r.line) not in bad_lines]
+    if todo:  # a job that could not write even its largest output must not start
         try:
             size = _output_size(cfg, checkpoint)
-            largest = max(valid, key=size)
+            largest = max(todo, key=size)
             check_room(cfg.out, size(largest), f"request {largest.id!r}")
         except ValueError as exc:
             raise BadInput(str(exc)) from exc
-    requests = valid
-    if cfg.shard is not None:
-        requests = [r for r in requests if in_shard(r.id, *cfg.shard)]
-    todo, complete = [], []
-    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
-    for r in requests:
-        paths = outputs.paths_for(cfg.out, r.id, r.num_frames)
-        key = output_key(r, identity, cfg.vae_tiling)
-        done, why = outputs.is_complete(paths, r.content_hash(), key, cfg.save_latents, outputs.mode_files(r))
-        if done and not cfg.overwrite:
-            complete.append(r)
-            continue
-        if paths.sidecar.exists() and not cfg.overwrite:
-            log.warning("%s: %s; generating it again", r.id, why)
-        todo.append(r)
-    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity)
+    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity, held)
 
 
 def run_job(cfg: RunConfig) -> Outcome:
@@ -246,6 +243,8 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
         rank=world.rank,
         weights=weights_report(ctx.split.fp8),
         stop=stop,
+        layout=plan.dataset.layout,
+        shards=shard_writer(cfg, plan.dataset, world.rank),
     )
     if world.is_main and (recovered := writer.recover_rows(plan.complete)):
         log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
@@ -305,7 +304,10 @@ def _drive(
         bar.close()
         raise
     finally:
-        writer.metrics.close()
+        try:
+            writer.finish()  # the open shards finalized (their rows follow), or lost to a full disk
+        finally:
+            writer.metrics.close()
         runner.weights.close()
         try:
             write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
@@ -323,7 +325,7 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
     plan = _agreed(world, lambda: plan_run(cfg, world.world_size, stdin))
     if world.is_main:
         state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
-        if stale := outputs.remove_stale_temporaries(cfg.out, {r.id for r in plan.requests}):
+        if stale := prepare_out(cfg, plan.dataset, plan.requests):
             log.info("removed %d temporary file(s) left by an interrupted run", stale)
     _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
     log.info(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosmos3_batch.io.dataset import Dataset
 from cosmos3_batch.requests.fields import RequestError
 from cosmos3_batch.requests.parse import Request
 
@@ -17,3 +18,6 @@ class Plan:
     complete: list[Request]  # already done by an earlier run (resume)
     tokenizer: object = None
     model_identity: str = ""
+    dataset: Dataset = field(
+        default_factory=Dataset
+    )  # the format and layout the outputs are written in (io/dataset.py)

@@ -15,7 +15,9 @@ import torch
 import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
+from cosmos3_batch.io.audio import write_wav_file
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
+from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
@@ -25,10 +27,18 @@ from cosmos3_batch.requests.parse import Request
 log = logging.getLogger("cosmos3_batch")
 
 
-def output_key(r: Request, model_identity: str, vae_tiling: bool) -> str:
-    """What besides the request decides the output bytes: the model and how we decode."""
-    text = json.dumps([r.content_hash(), model_identity, vae_tiling])
+def output_key(r: Request, model_identity: str, vae_tiling: bool, content_hash: str | None = None) -> str:
+    """What besides the request decides the output bytes: the model and how we decode. (`content_hash`:
+    the request's, when the caller has it.)"""
+    text = json.dumps([content_hash or r.content_hash(), model_identity, vae_tiling])
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shard_writer(cfg: RunConfig, held, rank: int) -> ShardWriter | None:
+    """This rank's shard writer under --format webdataset (it opens nothing until a sample comes)."""
+    if held.format != "webdataset":
+        return None
+    return ShardWriter(cfg.out, rank, cfg.tag, cfg.shard_bytes, cfg.shard_samples)
 
 
 def versions() -> dict[str, str]:
@@ -55,6 +65,8 @@ class ResultWriter:
     weights: dict | None = None  # weights_report(): the sidecar says which math made the output
     loop_started: float = field(default_factory=time.time)  # queue_s counts from here
     stop: StopRequest = field(default_factory=StopRequest)  # a full disk stops the job through it
+    layout: str = "flat"  # --format files: flat, or nested (io/outputs.request_dir)
+    shards: ShardWriter | None = None  # --format webdataset: samples go to tar shards instead
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     unwritten: list[str] = field(default_factory=list)  # decoded, not written: the job was stopping
@@ -71,14 +83,20 @@ class ResultWriter:
             return
         if result is not None:
             try:
+                if self.shards is not None:  # its row and its count come when its shard is final
+                    return self._shard_done(self._append(job, result))
                 output = self._write(job, result)
             except Exception as exc:  # an encoder error on its frames: this request fails, the job goes on
+                lost = exc.pending if isinstance(exc, ShardLost) else []
                 if (code := disk_errno(exc)) is not None:  # ... but nothing after a full disk can succeed
                     self._disk_full(code, exc)
-                    self.unwritten.append(r.id)
-                    self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
+                    self._shard_lost(lost, f"not written: {self.stop.fault.message}")
+                    if r.id not in {p.sample["id"] for p in lost}:
+                        self.unwritten.append(r.id)
+                        self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
                     return
                 error = f"{type(exc).__name__}: {exc}"
+                self._shard_lost([p for p in lost if p.sample["id"] != r.id], error, failed=True)
         if error is None:
             self.ok.append(r.id)
         else:
@@ -86,26 +104,53 @@ class ResultWriter:
             log.warning("request %s failed: %s", r.id, error)
         self.row(job, "ok" if error is None else "failed", output, error)
 
+    def finish(self) -> None:
+        """The end of the run: finalize the open shards (their samples' rows follow); a full disk now still
+        stops the job (exit 75), the shard's samples counted as not written."""
+        if self.shards is None:
+            return
+        done, lost = self.shards.close()
+        self._shard_done(done)
+        for exc in lost:
+            if (code := disk_errno(exc)) is not None:
+                self._disk_full(code, exc)
+                self._shard_lost(exc.pending, f"not written: {self.stop.fault.message}")
+            else:
+                self._shard_lost(exc.pending, f"{type(exc).__name__}: {exc}", failed=True)
+
+    def _shard_done(self, done: list[Pending]) -> None:
+        for pending in done:
+            self.ok.append(pending.sample["id"])
+            self._append_row(pending.row)
+
+    def _shard_lost(self, lost: list[Pending], error: str, failed: bool = False) -> None:
+        """Samples of a shard that could not be finalized: generated again by the next run."""
+        for pending in lost:
+            rid = pending.sample["id"]
+            if failed:
+                self.failed[rid] = error
+            else:
+                self.unwritten.append(rid)
+            self._append_row({**pending.row, "status": "failed" if failed else "interrupted", "error": error})
+
     def recover_rows(self, complete: list[Request]) -> int:
         """A metrics row for each complete output that has none: a crash (or a full disk) between its sidecar
         and its row. Taken from the sidecar, so metrics.csv still holds one ok row per output."""
         have = ids_with_ok_rows(self.cfg.out)
+        missing = [r for r in complete if r.id not in have]
+        located = self._located() if missing and self.shards is not None else {}
         recovered = 0
-        for r in complete:
-            if r.id in have:
+        for r in missing:
+            found = self._record(r, located)
+            if found is None:
                 continue
-            paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames)
-            try:
-                sidecar = json.loads(paths.sidecar.read_text())
-                finished = paths.sidecar.stat().st_mtime
-            except (OSError, ValueError):
-                continue
+            sidecar, finished, output = found
             timings = sidecar.get("timings") or {}
             fields = {k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")}
             fields.update(kind=r.kind, width=r.width, height=r.height, num_frames=r.num_frames, seed=r.seed)
             fields.update(steps=r.num_inference_steps, guidance=r.guidance_scale)
             fields.update(tokens=sidecar.get("tokens"))
-            fields.update(rank=self.rank, finished_at=iso_time(finished), output=paths.media.name)
+            fields.update(rank=self.rank, finished_at=iso_time(finished), output=output)
             try:
                 self.metrics.row(id=r.id, status="ok", **fields)
             except OSError as exc:  # still no room: the next run tries again
@@ -114,45 +159,79 @@ class ResultWriter:
             recovered += 1
         return recovered
 
+    def _located(self) -> dict:
+        from cosmos3_batch.io.shard_index import latest_samples, read_indexes
+
+        return latest_samples(read_indexes(self.cfg.out))
+
+    def _record(self, r: Request, located: dict) -> tuple[dict, float, str] | None:
+        """(its sidecar, when it was finished, its output) of a complete request."""
+        if self.shards is not None:
+            found = located.get(r.id)
+            if found is None:
+                return None
+            from datetime import datetime
+
+            finished = datetime.fromisoformat(found.finalized_at).timestamp()
+            media = next(iter(found.sample["members"]))
+            return found.sample, finished, f"{found.shard}/{found.member(media)}"
+        paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames, self.layout)
+        try:
+            sidecar = json.loads(paths.sidecar.read_text())
+            return (
+                sidecar,
+                paths.sidecar.stat().st_mtime,
+                str(paths.media.relative_to(self.cfg.out.resolve())),
+            )
+        except (OSError, ValueError):
+            return None
+
     def _disk_full(self, code: int, exc: BaseException) -> None:
         where = getattr(exc, "filename", None) or self.cfg.out
         self.stop.fail(JobFault(ExitCode.DISK, "disk", describe_refusal(code, where, self.cfg.out)))
 
     def row(self, job: RequestJob, status: str, output: str = "", error: str | None = None) -> None:
+        self._append_row(self._row_fields(job, status, output, error))
+
+    def _row_fields(self, job: RequestJob, status: str, output: str = "", error: str | None = None) -> dict:
         r = job.request
         timings = job.timings
+        return dict(
+            id=r.id,
+            status=status,
+            kind=r.kind,
+            width=r.width,
+            height=r.height,
+            num_frames=r.num_frames,
+            steps=r.num_inference_steps,
+            guidance=r.guidance_scale,
+            seed=r.seed,
+            tokens=job.tokens,
+            queue_s=max(0.0, job.admitted_at - self.loop_started),
+            latency_s=time.perf_counter() - job.admitted_perf,
+            weight_bytes=round(job.weight_bytes),
+            stall_s=job.stall_s,
+            rank=self.rank,
+            admitted_at=iso_time(job.admitted_at),
+            finished_at=iso_time(time.time()),
+            output=output,
+            error=error,
+            **{k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")},
+        )
+
+    def _append_row(self, fields: dict) -> None:
         try:
-            self.metrics.row(
-                id=r.id,
-                status=status,
-                kind=r.kind,
-                width=r.width,
-                height=r.height,
-                num_frames=r.num_frames,
-                steps=r.num_inference_steps,
-                guidance=r.guidance_scale,
-                seed=r.seed,
-                tokens=job.tokens,
-                queue_s=max(0.0, job.admitted_at - self.loop_started),
-                latency_s=time.perf_counter() - job.admitted_perf,
-                weight_bytes=round(job.weight_bytes),
-                stall_s=job.stall_s,
-                rank=self.rank,
-                admitted_at=iso_time(job.admitted_at),
-                finished_at=iso_time(time.time()),
-                output=output,
-                error=error,
-                **{k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")},
-            )
+            self.metrics.row(**fields)
         except OSError as exc:  # a full disk must not fail the rank (its peers would hang): it stops the job
             if (code := disk_errno(exc)) is not None:
                 self._disk_full(code, exc)
-            log.error("request %s: cannot append its metrics row: %s", r.id, exc)
+            log.error("request %s: cannot append its metrics row: %s", fields["id"], exc)
 
     def _write(self, job: RequestJob, result: Result) -> str:
         """Every file of the request, the sidecar last; on any failure none of this attempt's files is left
         under a final name (a rerun generates the request from scratch)."""
-        paths = outputs.paths_for(self.cfg.out, job.request.id, job.request.num_frames)
+        paths = outputs.paths_for(self.cfg.out, job.request.id, job.request.num_frames, self.layout)
+        paths.sidecar.parent.mkdir(exist_ok=True)  # --layout nested: its folder, made on first use
         written: list[Path] = []
         try:
             return self._write_files(job, result, paths, written)
@@ -186,7 +265,12 @@ class ResultWriter:
             size = outputs.write_latents(paths.latents, result.latents, sound=result.sound)
             files["latents"] = {"name": paths.latents.name, "bytes": size}
         job.timings["write_s"] = time.perf_counter() - start  # the media and latents; the sidecar is tiny
-        sidecar = {
+        outputs.write_json(paths.sidecar, self._sidecar(job, result, files))
+        return str(paths.media.relative_to(self.cfg.out.resolve()))
+
+    def _sidecar(self, job: RequestJob, result: Result, files: dict) -> dict:
+        r = job.request
+        return {
             "id": r.id,
             "status": "complete",
             "kind": r.kind,
@@ -199,8 +283,56 @@ class ResultWriter:
             **outputs.media_facts(result),
             "timings": {k: round(v, 6) for k, v in job.timings.items()},
             **(self.cfg.model_source.record() if self.cfg.model_source else {"model": str(self.model_dir)}),
+            "model_digest": self.model_identity,
+            "rank": self.rank,
             "weights": self.weights,
             "versions": versions(),
         }
-        outputs.write_json(paths.sidecar, sidecar)
-        return paths.media.name
+
+    def _append(self, job: RequestJob, result: Result) -> list[Pending]:
+        """--format webdataset: encode the members into this writer's staging folder, then append them to the
+        open shard of the request's kind; returns the samples of a shard this closed."""
+        r, shards = job.request, self.shards
+        key, kind = sample_key(r.id), shard_kind(r, self.cfg.save_latents)
+        start = time.perf_counter()
+        frames = outputs.to_uint8(result.frames)
+        audio = (result.sound, result.sample_rate) if result.sound is not None else None
+        staged: list[tuple[str, Path]] = []
+        try:
+            media = "png" if r.num_frames == 1 else "mp4"
+            staged.append((media, shards.stage(key, media)))
+            if media == "png":
+                outputs.render_png(staged[-1][1], frames[0])
+            else:
+                outputs.render_mp4(staged[-1][1], frames, r.fps, audio, final=staged[-1][1])
+            if audio is not None:
+                staged.append(("wav", shards.stage(key, "wav")))
+                write_wav_file(staged[-1][1], *audio)
+            if result.actions is not None:
+                staged.append(("actions.safetensors", shards.stage(key, "actions.safetensors")))
+                outputs.render_actions(staged[-1][1], result.actions)
+            if self.cfg.save_latents:
+                staged.append(("latents.safetensors", shards.stage(key, "latents.safetensors")))
+                outputs.render_latents(staged[-1][1], result.latents, result.sound)
+            job.timings["write_s"] = time.perf_counter() - start
+            shard = shards.shard_of(kind)
+            keys = {"png": "media", "mp4": "media", "wav": "wav", "actions.safetensors": "actions"}
+            files = {keys.get(sfx, "latents"): {"name": f"{key}.{sfx}", "bytes": path.stat().st_size}
+                     for sfx, path in staged}  # fmt: skip
+            sidecar = {**self._sidecar(job, result, files), "shard": shard}
+            staged.append(("json", shards.stage(key, "json")))
+            staged[-1][1].write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+            staged.append(("txt", shards.stage(key, "txt")))
+            staged[-1][1].write_text(r.prompt)
+        except BaseException:
+            for _, path in staged:
+                path.unlink(missing_ok=True)
+            raise
+        sample = {k: sidecar[k] for k in INDEXED if k in sidecar}
+        row = self._row_fields(job, "ok", f"{shard}/{key}.{media}")
+        return shards.add(kind, key, staged, sample, row)
+
+
+# What a shard's index keeps of each sample's sidecar: resume's checks and the manifest's columns.
+INDEXED = ("id", "kind", "request", "request_hash", "output_key", "seed", "timings", "model", "model_digest",
+           "rank")  # fmt: skip

@@ -33,9 +33,9 @@ from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
-from cosmos3_batch.plan.schedule import assign, gen_tokens
+from cosmos3_batch.plan.schedule import Assignment, assign, gen_tokens
 from cosmos3_batch.plan.simulator import PartBytes, SimRequest, Simulation, simulate
-from cosmos3_batch.requests.parse import Request
+from cosmos3_batch.requests.parse import Request, no_cycle_collection
 from cosmos3_batch.requests.sources import ALL_NAMED, Columns
 
 GB = 1e9
@@ -56,9 +56,11 @@ def estimate(
     max_batch_rows: int | None = MAX_BATCH_ROWS,
     vae_tiling: bool = False,
     vae_parts: int = 1,
+    assignment: Assignment | None = None,
 ) -> Estimate:
     """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget.
-    `vae_parts`: --vae-patch-parallel-size."""
+    `vae_parts`: --vae-patch-parallel-size. `assignment`: the schedule of `requests` over the groups, when
+    the caller has it already."""
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
     shards = sum(p.shard_bytes for p in shape.parts)
@@ -104,7 +106,7 @@ def estimate(
         "runtime_overhead": runtime_overhead_bytes(world_size, sp),
     }
     device = sum(breakdown.values())
-    assignment = assign(requests, groups)
+    assignment = assignment if assignment is not None else assign(requests, groups)
     token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
     busiest = max(assignment.costs, default=0.0)
     job_hours = busiest / token_steps_per_s / 3600 if token_steps_per_s else 0.0
@@ -197,15 +199,24 @@ def idle_warning(idle_share: float) -> str | None:
     return None
 
 
+TOKEN_SAMPLE = 20_000  # requests tokenized at most: the estimate reads the median UND length only
+
+
 def prompt_tokens(checkpoint: Checkpoint, requests: list[Request]) -> dict[str, int]:
-    """Cond-branch UND length of each request, templated exactly as generation will do it."""
+    """Cond-branch UND length of the requests, templated exactly as generation will do it: each distinct
+    templating once, and of a file with more than TOKEN_SAMPLE requests, an evenly spaced sample of that many
+    (the median it feeds moves by a token or two; tokenizing a million prompts took minutes)."""
     from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
 
     helper = build_helper(checkpoint, load_tokenizer(checkpoint))
-    tokens = {}
-    for r in requests:
-        cond, _ = tokenize(helper, r)
-        tokens[r.id] = len(cond)
+    step = max(1, -(-len(requests) // TOKEN_SAMPLE))
+    tokens, seen = {}, {}
+    for r in requests[::step]:
+        key = (r.prompt, r.action, r.num_frames, r.height, r.width, r.fps, r.system_prompt,
+               r.use_resolution_template, r.use_duration_template)  # fmt: skip
+        if key not in seen:
+            seen[key] = len(tokenize(helper, r)[0])
+        tokens[r.id] = seen[key]
     return tokens
 
 
@@ -241,6 +252,7 @@ def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
     }
 
 
+@no_cycle_collection()  # a million requests, schedules and queues: no cycles among them (requests/parse.py)
 def plan_job(
     prompts: str | list[str],
     model: str | None,
@@ -327,7 +339,7 @@ def plan_job(
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(
             shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp,
-            max_batch_rows, vae_tiling, vae_parts,
+            max_batch_rows, vae_tiling, vae_parts, assignment,
         )  # fmt: skip
         doc["estimate"] = est.to_dict()
         if not plan_text.resolvable(est):

@@ -1,21 +1,29 @@
-"""Preemption: SIGKILL a 2-rank torchrun job mid-run, rerun the same command, lose and repeat nothing."""
+"""Preemption: SIGKILL a 2-rank torchrun job writing WebDataset shards while a shard is open, rerun the same
+command: no partial shard is readable, the open shard's samples are generated again, nothing else is, and
+every sample equals the uninterrupted run's files bit for bit. (The files format's kills are in
+test_stop.py's chain.)"""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections import Counter
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file
+import webdataset as wds
+from safetensors.torch import load, load_file
 
+from cosmos3_batch.io.shard_index import read_indexes
 from tests.conftest import write_jsonl
 from tests.dist.jobs import ENV, run_here
 
@@ -36,7 +44,16 @@ ROWS = [
 def launch(prompts, tiny_ckpt, out) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
-    cmd += ["--save-latents", "--max-active", "1", "--no-progress"]
+    cmd += [
+        "--save-latents",
+        "--max-active",
+        "1",
+        "--no-progress",
+        "--format",
+        "webdataset",
+        "--shard-size",
+        "3",  # a rank's 5 samples: a shard of 3 finalized, then one open for 2 (the kill's window)
+    ]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -75,7 +92,13 @@ def ok_rows(out) -> Counter:
     return counts
 
 
-def test_sigkill_then_rerun_finishes_the_rest_exactly_once(tmp_path, tiny_ckpt):
+def mid_shard(out: Path) -> bool:
+    """A shard is final and another is open with a sample in it (its unbuffered writes are on disk)."""
+    final = list(out.glob("shards/*/*.tar"))
+    return bool(final) and any(p.stat().st_size > 0 for p in out.glob("shards/*/.*.tar.tmp"))
+
+
+def test_sigkill_mid_shard_then_rerun_finishes_the_rest_exactly_once(tmp_path, tiny_ckpt):
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS)
     ref = tmp_path / "ref"
     code = run_here(["run", prompts, "--model", tiny_ckpt, "--out", ref, "--save-latents", "--no-progress"])
@@ -84,28 +107,37 @@ def test_sigkill_then_rerun_finishes_the_rest_exactly_once(tmp_path, tiny_ckpt):
     out = tmp_path / "out"
     job = launch(prompts, tiny_ckpt, out)
     deadline = time.monotonic() + 180
-    while len(list(out.glob("k*.json"))) < 3 and time.monotonic() < deadline and job.poll() is None:
-        time.sleep(0.05)
+    while not mid_shard(out) and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.02)
     preempt(job)
-    done_before = {p.stem for p in out.glob("k*.json")}
-    assert 3 <= len(done_before) < len(ROWS), f"kill landed outside the run: {sorted(done_before)}"
+    kept = {s["id"] for index in read_indexes(out) for s in index["samples"]}
+    assert 2 <= len(kept) < len(ROWS), f"kill landed outside the run: {sorted(kept)}"
+    assert list(out.glob("shards/*/.*.tar.tmp")), "no shard was open at the kill"
+    for shard in out.glob("shards/*/*.tar"):  # what a loader's glob finds: whole shards only
+        with tarfile.open(shard) as tar:
+            assert len(tar.getnames()) == 4 * sum(
+                len(i["samples"]) for i in read_indexes(out) if out / i["shard"] == shard
+            ), shard
 
     again = launch(prompts, tiny_ckpt, out)
     stdout, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr.decode()[-3000:]
-    assert (
-        f"{len(ROWS) - len(done_before)} generated, 0 failed, {len(done_before)} already complete"
-        in stdout.decode()
-    )
-    for row in ROWS:
-        rid = row["id"]
-        assert torch.equal(
-            load_file(out / f"{rid}.latents.safetensors")["latents"],
-            load_file(ref / f"{rid}.latents.safetensors")["latents"],
-        ), rid
-        assert (out / f"{rid}.png").read_bytes() == (ref / f"{rid}.png").read_bytes(), rid
+    assert f"{len(ROWS) - len(kept)} generated, 0 failed, {len(kept)} already complete" in stdout.decode()
+    samples = {}
+    for sample in wds.WebDataset(sorted(map(str, out.glob("shards/*/*.tar"))), shardshuffle=False):
+        rid = json.loads(sample["json"])["id"]
+        assert rid not in samples, f"{rid} twice"
+        samples[rid] = sample
+    assert sorted(samples) == sorted(row["id"] for row in ROWS)
+    for rid, sample in samples.items():
+        expected = load_file(ref / f"{rid}.latents.safetensors")["latents"]
+        assert torch.equal(load(sample["latents.safetensors"])["latents"], expected), rid
+        assert sample["png"] == (ref / f"{rid}.png").read_bytes(), rid
     counts = ok_rows(out)
-    # Each request generated once over both runs (a kill between a sidecar and its metrics row could
-    # drop a row, never add one).
-    assert max(counts.values()) == 1 and sum(counts.values()) >= len(ROWS) - 1
-    assert not list(out.glob(".*.tmp*")), "stale temporaries survived the rerun"
+    # Each request's row once over both runs: a discarded shard's samples never had one (rows follow a
+    # shard's finalization; a kill between the two loses a row, recovered from the index, never adds one).
+    assert max(counts.values()) == 1 and sum(counts.values()) >= len(ROWS) - 2
+    assert not list(out.glob("shards/*/.*")), "stale temporaries survived the rerun"
+    manifest = pd.read_parquet(out / "manifest.parquet")  # both ranks' samples, where they are
+    assert sorted(manifest["id"]) == sorted(samples) and set(manifest["status"]) == {"ok"}
+    assert set(manifest["rank"]) == {0, 1} and all(m.startswith("k") for m in manifest["member"])

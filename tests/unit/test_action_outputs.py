@@ -73,3 +73,51 @@ def test_sidecar_metrics_and_resume_cover_the_actions(job, tiny_av_ckpt):
     result = run(tiny_av_ckpt, prompts, out)
     assert "1 generated" in result.output and "2 already complete" in result.output, result.output
     assert (out / "inv.actions.json").is_file()
+
+
+def test_export_lerobot_writes_the_v3_layout_with_the_actions_exactly(job, tmp_path):
+    """`lerobot` does not install beside this project's pins (it pulls torch 2.10, diffusers 0.35, numpy 2.2),
+    so the layout is checked against LeRobot's documented v3.0 schema, read with pyarrow, pandas and HF
+    datasets as LeRobotDataset reads it."""
+    import pandas as pd
+    from datasets import load_dataset
+
+    _, out = job
+    dst = tmp_path / "lerobot"
+    args = ["export", "lerobot", str(out), str(dst), "--fps", "24", "--domain", "pusht"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    info = json.loads((dst / "meta/info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["fps"] == 24 and info["robot_type"] == "pusht"
+    # forward dynamics: the one row it was given; inverse dynamics: its 4 predicted rows
+    assert (info["total_episodes"], info["total_frames"], info["total_tasks"]) == (2, 5, 2)
+    assert info["data_path"] == "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+    assert info["video_path"] == "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+    assert info["features"]["action"] == {"dtype": "float32", "shape": [2], "names": None}
+    assert info["features"]["observation.images.main"]["dtype"] == "video"
+    tasks = pd.read_parquet(dst / "meta/tasks.parquet")
+    assert list(tasks.index) == ["push", "what moved"] and list(tasks["task_index"]) == [0, 1]
+    episodes = pd.read_parquet(dst / "meta/episodes/chunk-000/file-000.parquet")
+    assert list(episodes["cosmos3/request_id"]) == ["fwd", "inv"] and list(episodes["length"]) == [1, 4]
+    assert list(episodes["dataset_from_index"]) == [0, 1] and list(episodes["dataset_to_index"]) == [1, 5]
+    data = load_dataset("parquet", data_files=str(dst / "data/*/*.parquet"), split="train")
+    assert data.column_names == ["action", "timestamp", "frame_index", "episode_index", "index", "task_index"]
+    rows = data.with_format("numpy")[:]
+    inverse = load_file(out / "inv.actions.safetensors")["actions"].numpy()
+    assert np.array_equal(np.stack(rows["action"][1:]), inverse)  # the predicted rows, bit for bit
+    assert np.array_equal(np.stack(rows["action"][:1]), np.float32([[0.5, -0.5]]))
+    assert list(rows["frame_index"]) == [0, 0, 1, 2, 3] and list(rows["task_index"]) == [0, 1, 1, 1, 1]
+    assert list(rows["episode_index"]) == [0, 1, 1, 1, 1] and list(rows["index"]) == [0, 1, 2, 3, 4]
+    assert np.array_equal(rows["timestamp"], np.float32([0 / 24, 0 / 24, 1 / 24, 2 / 24, 3 / 24]))
+    video = dst / "videos/observation.images.main/chunk-000/file-001.mp4"
+    assert video.read_bytes() == (out / "inv.mp4").read_bytes()
+    assert CliRunner().invoke(app, args).exit_code == 2  # DST is not empty now: nothing overwritten
+    slower = tmp_path / "at-10fps"  # another fps: the clip's frames re-encoded at it, one for one
+    args = ["export", "lerobot", str(out), str(slower), "--fps", "10", "--domain", "pusht"]
+    assert CliRunner().invoke(app, args, catch_exceptions=False).exit_code == 0
+    import imageio.v3 as iio
+
+    clip = slower / "videos/observation.images.main/chunk-000/file-001.mp4"
+    frames = iio.improps(out / "inv.mp4", plugin="FFMPEG").shape
+    assert iio.improps(clip, plugin="FFMPEG").shape == frames
+    assert json.loads((slower / "meta/info.json").read_text())["fps"] == 10

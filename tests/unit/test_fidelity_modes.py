@@ -6,6 +6,7 @@ actions), policy and forward dynamics with sound: bit-exact in float32 on CPU, a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -235,7 +236,7 @@ def test_system_prompt_default_is_the_checkpoints(tiny_ckpt, requests_):
     checkpoint = Checkpoint.open(tiny_ckpt)
     helper = build_helper(checkpoint, load_tokenizer(checkpoint))
     on = next(r for r in requests_ if r.id == "sys-on")
-    default = Request(**{**on.__dict__, "system_prompt": None})
+    default = dataclasses.replace(on, system_prompt=None)
     off = next(r for r in requests_ if r.id == "sys-off")
     assert tokenize(helper, default) == tokenize(helper, on)  # the tiny checkpoint's default is on
     assert len(tokenize(helper, off)[0]) < len(tokenize(helper, on)[0])

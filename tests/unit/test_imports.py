@@ -19,6 +19,7 @@ SCRIPTS = ROOT / "scripts"
 LAYERS = [
     {"__main__"},
     {"cli"},
+    {"cli_data"},
     {"pipeline"},
     {"config"},
     {"plan"},

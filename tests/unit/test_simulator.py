@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cosmos3_batch.plan import prefill, simulator
-from cosmos3_batch.plan.prefill import PrefillRule
-from cosmos3_batch.plan.simulator import PartBytes, SimRequest, simulate
+from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, und_pass
+from cosmos3_batch.plan.simulator import PartBytes, SimRequest, Simulation, simulate
 
 REQUESTS = [SimRequest("a", 2), SimRequest("b", 3, branches=2), SimRequest("c", 1)]
 
@@ -70,3 +70,62 @@ def test_simulator_and_rule_import_no_torch(module):
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not any(name.split(".")[0] == "torch" for name in names), names
+
+
+def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = True) -> Simulation:
+    """The runner's loop replayed pass by pass, every rank every pass, with `RankSlots` as the runner uses it:
+    what the event-driven `simulate` must equal (it was the simulator before 1M requests at 512 ranks)."""
+    from collections import deque
+
+    world = len(queues)
+    rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
+    slots = [RankSlots(deque(q), max_active, rule) for q in queues]
+    active: list[list[list]] = [[] for _ in queues]
+    passes = und_passes = active_sum = prefilled = outputs = 0
+    while True:
+        for rank, s in enumerate(slots):
+            active[rank] += s.take_ready(len(active[rank]))
+        reports = [s.report(len(a)) for s, a in zip(slots, active, strict=True)]
+        total_active = sum(len(a) for a in active)
+        if total_active == 0 and sum(r.pending for r in reports) == 0:
+            break
+        starved, overdue = sum(r.starved for r in reports), sum(r.overdue for r in reports)
+        und = und_pass(rule, world * max_active, total_active, starved, overdue)
+        und = und or (not und_cache and total_active > 0)
+        if und:
+            for rank, s in enumerate(slots):
+                now, later = s.admissions(len(active[rank]))
+                active[rank] += [[r.steps, r.branches] for r in now]
+                s.ready.extend([r.steps, r.branches] for r in later)
+                prefilled += sum(r.branches for r in now) + sum(r.branches for r in later)
+        passes += 1
+        und_passes += und
+        for rank in range(world):
+            active_sum += len(active[rank])
+            for job in active[rank]:
+                job[0] -= 1
+            outputs += sum(1 for job in active[rank] if job[0] <= 0)
+            active[rank] = [job for job in active[rank] if job[0] > 0]
+    if not und_cache:
+        prefilled = sum(r.steps * r.branches for q in queues for r in q)
+    per_rank = passes * part_bytes.gen + und_passes * part_bytes.und
+    occupancy = active_sum / (passes * world * max_active) if passes else 0.0
+    share = und_passes * part_bytes.und / per_rank if per_rank else 0.0
+    per_output = per_rank * world / outputs if outputs else 0.0
+    return Simulation(passes, und_passes, outputs, occupancy, per_rank, per_output, share, prefilled)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_event_driven_simulator_equals_the_pass_by_pass_replay(seed):
+    import random
+
+    rng = random.Random(seed)
+    world, max_active = rng.choice([1, 2, 3, 7, 16]), rng.choice([1, 2, 4])
+    rule = PrefillRule(rng.choice([0.1, 0.25, 0.5, 1.0]), rng.choice([0, 1, 2, 5]), rng.choice([0, 1, 3]))
+    queues = [
+        [SimRequest(f"r{q}-{i}", rng.randint(1, 12), rng.choice([1, 2])) for i in range(rng.randint(0, 30))]
+        for q in range(world)
+    ]
+    und_cache = seed % 5 != 4
+    expected = replay(queues, max_active, rule, PartBytes(10, 7), und_cache)
+    assert simulate(queues, max_active, rule, PartBytes(10, 7), und_cache) == expected

@@ -1,0 +1,215 @@
+"""OUT/manifest.parquet: one row per request OUT has a record of (DESIGN.md §12), for a training pipeline's
+data loader and for bookkeeping: its status, where its output is (a file, or a shard and member), the
+resolved request, the model and its digest, the rank, the timings, the error.
+
+Written by rank 0 at the end of every run and by `cosmos3-batch manifest OUT`; both merge every rank and
+every array task that shares OUT (complete outputs from sidecars or shard indexes, the others from the
+metrics part files), under the lock the metrics merge holds. Columns: docs/outputs.md.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from cosmos3_batch.io import dataset
+from cosmos3_batch.io.catalog import Output, complete_outputs
+from cosmos3_batch.io.metrics import iso_time, latest_rows, merge_lock
+from cosmos3_batch.io.outputs import atomic_write
+from cosmos3_batch.io.shard_index import drop_superseded
+
+NAME = "manifest.parquet"
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("status", pa.string()),  # ok | failed | interrupted | pending
+        ("kind", pa.string()),
+        ("format", pa.string()),  # files | webdataset
+        ("path", pa.string()),  # relative to OUT: the media file, or the shard
+        ("member", pa.string()),  # webdataset: the media member in the shard
+        ("prompt", pa.string()),
+        ("negative_prompt", pa.string()),
+        ("seed", pa.int64()),
+        ("width", pa.int64()),
+        ("height", pa.int64()),
+        ("num_frames", pa.int64()),
+        ("fps", pa.float64()),
+        ("steps", pa.int64()),
+        ("guidance", pa.float64()),
+        ("model", pa.string()),
+        ("model_digest", pa.string()),
+        ("request_hash", pa.string()),
+        ("output_key", pa.string()),  # SHA-256 of the request hash, the model identity, --vae-tiling
+        (
+            "files",
+            pa.string(),
+        ),  # JSON: files: key -> {name, bytes}; webdataset: member suffix -> [offset, bytes]
+        ("rank", pa.int64()),
+        ("prepare_s", pa.float64()),
+        ("denoise_s", pa.float64()),
+        ("decode_s", pa.float64()),
+        ("write_s", pa.float64()),
+        ("finished_at", pa.string()),
+        ("error", pa.string()),
+    ]
+)
+TIMINGS = ("prepare_s", "denoise_s", "decode_s", "write_s")
+
+
+def write_manifest(
+    out: Path, requests=(), tag: str | None = None, rows: dict | None = None
+) -> tuple[Path, int]:
+    """Write OUT/manifest.parquet; `requests` (Request objects) fill in the prompt of requests with no output
+    and add a `pending` row for those with no record at all. With `tag` (a run's end), this run's shards
+    are first rewritten without samples that a newer shard holds again. `rows`: the latest metrics row per
+    id, when the caller has just merged them. Returns (path, rows)."""
+    with merge_lock(out):
+        if tag is not None and dataset.of(out).format == "webdataset":
+            drop_superseded(out, tag)
+        table = build_manifest(out, requests, rows)
+        atomic_write(out / NAME, lambda tmp: pq.write_table(table, tmp))
+    return out / NAME, table.num_rows
+
+
+def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table:
+    """The rows. A complete output's row of the previous manifest.parquet is kept when its sidecar has not
+    changed since (same mtime): a rerun over 100,000 complete requests stats their sidecars, reads none."""
+    fmt = dataset.of(out).format
+    previous, recorded = _previous(out, fmt)
+    reused: set[str] = set()
+
+    def unchanged(rid: str, mtime: float) -> bool:
+        if recorded.get(rid) == iso_time(mtime):
+            reused.add(rid)
+            return True
+        return False
+
+    done = complete_outputs(out, unchanged)
+    rows = latest_rows(out, warn=False) if rows is None else rows
+    known = {r.id: r for r in requests}
+    records = []
+    for rid in sorted((set(done) | set(rows) | set(known)) - reused):
+        if rid in done:
+            records.append(_complete(done[rid], rows.get(rid), fmt))
+        else:
+            records.append(_not_complete(rid, rows.get(rid), known.get(rid), fmt))
+    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    if reused:  # their rows as they were, taken over column by column
+        kept = previous.filter(pc.is_in(previous["id"], value_set=pa.array(sorted(reused), pa.string())))
+        table = pa.concat_tables([kept, table]).sort_by("id")
+    return table
+
+
+def recorded_sidecars(out: Path) -> dict[str, tuple[str, dict]]:
+    """id -> (its sidecar's mtime as recorded, what resume checks of it), from the last manifest.parquet
+    (files format): `outputs.is_complete` uses it while the sidecar's mtime is unchanged."""
+    if dataset.of(out).format != "files":
+        return {}
+    try:
+        columns = ["id", "status", "request_hash", "output_key", "files", "finished_at"]
+        table = pq.read_table(out / NAME, columns=columns).to_pydict()
+    except (OSError, pa.ArrowException, KeyError):
+        return {}
+    found = {}
+    for rid, status, content, key, files, finished in zip(*(table[c] for c in columns), strict=True):
+        if status == "ok" and files and finished:
+            sidecar = {"status": "complete", "request_hash": content, "output_key": key}
+            found[rid] = (finished, {**sidecar, "files": json.loads(files)})
+    return found
+
+
+def _previous(out: Path, fmt: str) -> tuple[pa.Table | None, dict[str, str]]:
+    """The manifest written before, and id -> `finished_at` (its sidecar's mtime) of each complete output
+    in it (files format: those rows are reused while their sidecars are unchanged)."""
+    if fmt != "files":
+        return None, {}
+    try:
+        table = pq.read_table(out / NAME)
+    except (OSError, pa.ArrowException):
+        return None, {}
+    if table.schema != SCHEMA:
+        return None, {}
+    columns = table.select(["id", "status", "path", "finished_at"]).to_pydict()
+    recorded = {
+        rid: finished
+        for rid, status, path, finished in zip(*columns.values(), strict=True)
+        if status == "ok" and path and finished
+    }
+    return table, recorded
+
+
+def _complete(output: Output, row: dict | None, fmt: str) -> dict:
+    record = output.record
+    request = record.get("request") or {}
+    timings = record.get("timings") or {}
+    rank = record.get("rank")
+    if rank is None and row is not None and row.get("status") == "ok":
+        rank = _number(row.get("rank"), int)
+    return {
+        **_request_columns(request),
+        "id": output.id,
+        "status": "ok",
+        "kind": record.get("kind"),
+        "format": fmt,
+        "path": output.path,
+        "member": output.member,
+        "seed": record.get("seed", request.get("seed")),
+        "model": record.get("model"),
+        "model_digest": record.get("model_digest"),
+        "request_hash": record.get("request_hash"),
+        "output_key": record.get("output_key"),
+        "files": json.dumps(record.get("files") or record.get("members") or {}, sort_keys=True),
+        "rank": rank,
+        **{k: _number(timings.get(k), float) for k in TIMINGS},
+        "finished_at": iso_time(output.finished),
+        "error": None,
+    }
+
+
+def _not_complete(rid: str, row: dict | None, request, fmt: str) -> dict:
+    resolved = request.resolved() if request is not None else {}
+    record = {**_request_columns(resolved), "id": rid, "format": fmt, "status": "pending"}
+    if request is not None:
+        record.update(kind=request.kind, seed=request.seed, request_hash=request.content_hash())
+    if row is not None:
+        record.update(
+            status=row["status"],
+            kind=row.get("kind") or record.get("kind"),
+            seed=_number(row.get("seed"), int),
+            width=_number(row.get("width"), int),
+            height=_number(row.get("height"), int),
+            num_frames=_number(row.get("num_frames"), int),
+            steps=_number(row.get("steps"), int),
+            guidance=_number(row.get("guidance"), float),
+            rank=_number(row.get("rank"), int),
+            finished_at=row.get("finished_at") or None,
+            error=row.get("error") or None,
+            **{k: _number(row.get(k), float) for k in TIMINGS},
+        )
+    return record
+
+
+def _request_columns(request: dict) -> dict:
+    return {
+        "prompt": request.get("prompt"),
+        "negative_prompt": request.get("negative_prompt"),
+        "width": request.get("width"),
+        "height": request.get("height"),
+        "num_frames": request.get("num_frames"),
+        "fps": request.get("fps"),
+        "steps": request.get("num_inference_steps"),
+        "guidance": request.get("guidance_scale"),
+    }
+
+
+def _number(value, kind):
+    if value in (None, ""):
+        return None
+    try:
+        return kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,101 @@
+"""`cosmos3-batch status OUT [--input FILE]`: how far a job (or a Slurm array of jobs sharing OUT) is.
+
+Reads finalized files only (sidecars, shard indexes, the metrics part files whose torn last line is
+skipped), so it is safe while the job runs. Per request: done (a complete output), failed, interrupted
+(the latest record says so), or pending (in the input, no record: needs --input). The rate is the outputs
+that became final in the last hour; the ETA is what is left at that rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from cosmos3_batch.io import dataset
+from cosmos3_batch.io.catalog import complete_outputs
+from cosmos3_batch.io.metrics import STATE_DIR, latest_rows
+
+STATES = ("done", "failed", "interrupted", "pending")
+WINDOW_S = 3600.0
+
+
+def dataset_status(
+    out: Path,
+    ids: Iterable[str] | None = None,
+    task_of: Callable[[str], str] | None = None,
+    now: float | None = None,
+) -> dict:
+    """The counts, the rate and the ETA; `ids`: the input's request ids (pending needs them); `task_of`:
+    request id -> its array task ("I/N"), for the per-task counts. ValueError if OUT holds no run."""
+    if not (out / STATE_DIR).is_dir():
+        raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
+    now = time.time() if now is None else now
+    done = complete_outputs(out)
+    rows = latest_rows(out, warn=False)
+    wanted = set(ids) if ids is not None else None
+    known = (set(done) | set(rows)) if wanted is None else wanted
+    state = {rid: _state(rid, done, rows) for rid in known}
+    counts = Counter(state.values())
+    recent = sum(1 for rid, output in done.items() if output.finished >= now - WINDOW_S and rid in known)
+    left = len(known) - counts["done"]  # a rerun generates the failed ones again too
+    per_hour = recent * 3600.0 / WINDOW_S
+    report = {
+        "out": str(out),
+        "format": dataset.of(out).format,
+        "requests": len(known),
+        **{name: counts[name] for name in STATES},
+        "pending_known": wanted is not None,
+        "outputs_last_hour": recent,
+        "outputs_per_hour": per_hour,
+        "eta_hours": 0.0 if not left else (left / per_hour if per_hour > 0 else None),
+        "all_done": counts["done"] == len(known) and len(known) > 0,
+    }
+    if task_of is not None:
+        tasks: dict[str, Counter] = {}
+        for rid, value in state.items():
+            tasks.setdefault(task_of(rid), Counter())[value] += 1
+        report["array_tasks"] = {
+            task: {name: tally[name] for name in STATES}
+            for task, tally in sorted(tasks.items(), key=_task_order)
+        }
+    return report
+
+
+def _state(rid: str, done: dict, rows: dict) -> str:
+    if rid in done:
+        return "done"
+    row = rows.get(rid)
+    if row is None:
+        return "pending"
+    return {"ok": "interrupted"}.get(row["status"], row["status"])  # an ok row without its output: redone
+
+
+def _task_order(item: tuple[str, Counter]) -> tuple[int, str]:
+    index = item[0].split("/")[0]
+    return (int(index), item[0]) if index.isdigit() else (-1, item[0])
+
+
+def array_counts(out: Path) -> list[int]:
+    """The COUNTs of the `--shard I/COUNT` runs that wrote to OUT (from their part files' names)."""
+    import re
+
+    seen = {int(m[1]) for p in (out / STATE_DIR).glob("metrics.shard*of*-rank*.csv")
+            if (m := re.match(r"metrics\.shard\d+of(\d+)-rank", p.name))}  # fmt: skip
+    return sorted(seen)
+
+
+def describe(report: dict) -> str:
+    pending = str(report["pending"]) if report["pending_known"] else "? (give --input)"
+    lines = [
+        f"{report['out']} ({report['format']}): {report['requests']} requests: {report['done']} done, "
+        f"{report['failed']} failed, {report['interrupted']} interrupted, {pending} pending"
+    ]
+    eta = report["eta_hours"]
+    when = "-" if eta is None else f"{eta:.2f} h"
+    lines.append(f"last hour: {report['outputs_last_hour']} outputs ({report['outputs_per_hour']:.1f}/hour); "
+                 f"ETA {when}")  # fmt: skip
+    for task, tally in report.get("array_tasks", {}).items():
+        lines.append(f"  array task {task}: " + ", ".join(f"{tally[n]} {n}" for n in STATES))
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""Resume (DESIGN.md §6, §12): which requests an earlier run already completed, in the dataset's format.
+
+`files`: each request's sidecar and the files it lists (flat or nested layout). `webdataset`: the indexes
+of the finalized shards, one small file per shard, never the members.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cosmos3_batch.config import RunConfig
+from cosmos3_batch.io import outputs
+from cosmos3_batch.io.dataset import Dataset, write_record
+from cosmos3_batch.io.manifest import recorded_sidecars
+from cosmos3_batch.io.shard_index import latest_samples, read_indexes, remove_stale, sample_complete
+from cosmos3_batch.pipeline.results import output_key
+from cosmos3_batch.requests.parse import Request
+
+log = logging.getLogger("cosmos3_batch")
+
+
+def split_complete(
+    cfg: RunConfig, requests: list[Request], identity: str, dataset: Dataset
+) -> tuple[list[Request], list[Request]]:
+    """(to generate, already complete); with --overwrite everything is generated again."""
+    shards = dataset.format == "webdataset"
+    located = latest_samples(read_indexes(cfg.out)) if shards else {}
+    recorded = {} if shards or cfg.overwrite else recorded_sidecars(cfg.out)
+    todo, complete = [], []
+    for r in requests:
+        content = r.content_hash()
+        key = output_key(r, identity, cfg.vae_tiling, content)
+        if shards:
+            found = located.get(r.id)
+            done, why = sample_complete(found, r, content, key, cfg.save_latents)
+            seen = found is not None
+        else:
+            paths = outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout)
+            required = outputs.mode_files(r)
+            done, why = outputs.is_complete(
+                paths, content, key, cfg.save_latents, required, recorded.get(r.id)
+            )
+            seen = not done and paths.sidecar.exists()
+        if done and not cfg.overwrite:
+            complete.append(r)
+            continue
+        if seen and not done and not cfg.overwrite:
+            log.warning("%s: %s; generating it again", r.id, why)
+        todo.append(r)
+    return todo, complete
+
+
+def prepare_out(cfg: RunConfig, held: Dataset, requests: list[Request]) -> int:
+    """Rank 0, before the ranks meet: record the dataset's format and layout, and remove what killed
+    writers of these requests left (temporaries; under webdataset, this tag's open shards and staging)."""
+    write_record(cfg.out, held)
+    stale = outputs.remove_stale_temporaries(cfg.out, {r.id for r in requests}, held.layout)
+    if held.format == "webdataset":
+        stale += remove_stale(cfg.out, cfg.tag)
+    return stale
