@@ -19,7 +19,6 @@ SCRIPTS = ROOT / "scripts"
 LAYERS = [
     {"__main__"},
     {"cli"},
-    {"cli_data"},
     {"pipeline"},
     {"config"},
     {"plan"},

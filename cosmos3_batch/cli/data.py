@@ -1,6 +1,6 @@
-"""The command line's commands over a run's output folder (DESIGN.md §12), registered on `cli.app`:
+"""The command line's commands over a run's output folder (DESIGN.md §12), registered on `cli.app.app`:
 `report`, `status`, `manifest`, `export lerobot`; and the `run` flags that choose the dataset format.
-Parse -> call -> print, as cli.py; the logic lives in io/ (report.py, status.py, manifest.py, lerobot.py)."""
+Parse -> call -> print, as app.py; the logic lives in io/ (report.py, status.py, manifest.py, lerobot.py)."""
 
 from __future__ import annotations
 

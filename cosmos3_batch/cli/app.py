@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cosmos3_batch import cli_data
+import cosmos3_batch.cli.data as cli_data
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 
