@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 
 from cosmos3_batch.io.space import DISK_ERRNOS
@@ -18,6 +19,12 @@ log = logging.getLogger("cosmos3_batch")
 
 class EncoderError(RuntimeError):
     """ffmpeg refused or failed: its last line of stderr (the whole of it goes to the log at DEBUG)."""
+
+
+class EncoderInterrupted(EncoderError):
+    """ffmpeg was ended by a signal: not its frames' fault. A terminal's Ctrl-C can still reach it in the
+    moment between its fork and its own session (and anyone may signal it): during a stop the request is
+    interrupted, not failed (pipeline/results.py)."""
 
 
 def run_ffmpeg(args: list[str], what: str, stdin: bytes | memoryview | None = None) -> None:
@@ -33,6 +40,8 @@ def run_ffmpeg(args: list[str], what: str, stdin: bytes | memoryview | None = No
     err = proc.stderr.decode(errors="replace").strip()
     if err:
         log.debug("ffmpeg (%s): %s", what, err)
+    if proc.returncode < 0:
+        raise EncoderInterrupted(f"ffmpeg ({what}) was ended by {signal.Signals(-proc.returncode).name}")
     if proc.returncode != 0:
         last = err.splitlines()[-1] if err else f"exit status {proc.returncode}"
         for code in DISK_ERRNOS:

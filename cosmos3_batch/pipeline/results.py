@@ -16,6 +16,7 @@ import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.audio import write_wav_file
+from cosmos3_batch.io.ffmpeg import EncoderInterrupted
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
@@ -25,6 +26,7 @@ from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")
+STOP_NOTICE_S = 5.0  # how long a signal-killed encode waits for the job's own stop to show (`_stopping`)
 
 
 def output_key(r: Request, model_identity: str, vae_tiling: bool, content_hash: str | None = None) -> str:
@@ -95,6 +97,10 @@ class ResultWriter:
                         self.unwritten.append(r.id)
                         self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
                     return
+                if isinstance(exc, EncoderInterrupted) and self._stopping():
+                    self.unwritten.append(r.id)  # the signal that stops the job reached its encoder
+                    self.row(job, "interrupted", error=f"not written: {exc}")
+                    return
                 error = f"{type(exc).__name__}: {exc}"
                 self._shard_lost([p for p in lost if p.sample["id"] != r.id], error, failed=True)
         if error is None:
@@ -103,6 +109,15 @@ class ResultWriter:
             self.failed[r.id] = error
             log.warning("request %s failed: %s", r.id, error)
         self.row(job, "ok" if error is None else "failed", output, error)
+
+    def _stopping(self) -> bool:
+        """Whether the job is stopping. A signal to the process group reaches the encoder and us at once, but
+        our handler runs on the main thread between two bytecodes, possibly after a long kernel: wait a
+        little for it."""
+        deadline = time.monotonic() + STOP_NOTICE_S
+        while not self.stop.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.stop.requested
 
     def finish(self) -> None:
         """The end of the run: finalize the open shards (their samples' rows follow); a full disk now still

@@ -1,5 +1,7 @@
 """A Ctrl-C in the terminal (SIGINT to the whole foreground process group) must not kill the encoder of the
-output the job is finishing as it stops: ffmpeg runs in a session of its own (io/ffmpeg.py)."""
+output the job is finishing as it stops: ffmpeg runs in a session of its own (io/ffmpeg.py). Where a signal
+reaches the encoder all the same (before its session exists, or sent to it), the request is interrupted when
+the job is stopping and failed otherwise (pipeline/results.py).""""""
 
 from __future__ import annotations
 
@@ -53,3 +55,62 @@ def test_ctrl_c_to_the_process_group_does_not_kill_the_encoder(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("encoded") and out.stat().st_size > 0
+
+
+VIDEOS = [
+    {"id": f"v{i}", "prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+    for i in range(3)
+]
+
+
+def killed_encoder(signal_us: bool):
+    """An encoder stand-in for the first video: ended by SIGINT (and, as a terminal's Ctrl-C does, the
+    SIGINT reaches this process too when `signal_us`); the others encode for real."""
+    import os
+    import signal
+
+    from cosmos3_batch.io import outputs
+    from cosmos3_batch.io.ffmpeg import EncoderInterrupted
+
+    real, calls = outputs.run_ffmpeg, []
+
+    def encode(args, what, stdin=None):
+        calls.append(what)
+        if len(calls) > 1:
+            return real(args, what, stdin=stdin)
+        if signal_us:
+            os.kill(os.getpid(), signal.SIGINT)
+        raise EncoderInterrupted(f"ffmpeg ({what}) was ended by SIGINT")
+
+    return encode
+
+
+def test_an_encoder_killed_by_the_stopping_signal_interrupts_its_request_and_otherwise_fails_it(
+    tmp_path, tiny_ckpt, monkeypatch
+):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cosmos3_batch.cli import app
+    from cosmos3_batch.io import outputs
+    from cosmos3_batch.pipeline import results
+    from tests.conftest import write_jsonl
+
+    prompts = write_jsonl(tmp_path / "v.jsonl", VIDEOS)
+    args = ["run", str(prompts), "--model", str(tiny_ckpt), "--no-progress", "--max-active", "1"]
+    monkeypatch.setattr(outputs, "run_ffmpeg", killed_encoder(signal_us=True))
+    stopped = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")], catch_exceptions=False)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert stopped.exit_code == 130, stopped.output
+    assert summary["failed"] == [] and "v0" in summary["ranks"][0]["unwritten"]
+    assert not (tmp_path / "a" / "v0.json").exists()
+    # No stop under way: an encoder that was ended by a signal fails its request, as any encoder error does.
+    monkeypatch.setattr(results, "STOP_NOTICE_S", 0.05)
+    monkeypatch.setattr(outputs, "run_ffmpeg", killed_encoder(signal_us=False))
+    failed = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")], catch_exceptions=False)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert failed.exit_code == 1, failed.output
+    assert [f["id"] for f in summary["failed"]] == ["v0"] and "ended by SIGINT" in summary["failed"][0][
+        "error"
+    ]
