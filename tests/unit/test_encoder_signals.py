@@ -1,7 +1,7 @@
 """A Ctrl-C in the terminal (SIGINT to the whole foreground process group) must not kill the encoder of the
 output the job is finishing as it stops: ffmpeg runs in a session of its own (io/ffmpeg.py). Where a signal
 reaches the encoder all the same (before its session exists, or sent to it), the request is interrupted when
-the job is stopping and failed otherwise (pipeline/results.py).""""""
+the job is stopping and failed otherwise (pipeline/results.py)."""
 
 from __future__ import annotations
 
