@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cosmos3_batch.model.vae_patch import Shard, decode_shard
-from cosmos3_batch.model.vae_shards import ShapeExchange, meta_vae, shard_sizes, split_dim
+from cosmos3_batch.model.vae_shards import ShapeExchange, meta_vae, plan_cut
 
 TILE = 256  # pixels: diffusers' default tile_sample_min_height/width for AutoencoderKLWan
 
@@ -58,10 +58,8 @@ class _LiveBytes(TorchDispatchMode):
 
 
 def cut_for(latent_h: int, latent_w: int, parts: int) -> Shard:
-    """The cut a group of `parts` uses on a GPU (the pixel floor alone: model/vae_shards.py), shard 0."""
-    dim = split_dim(latent_h, latent_w)
-    length, across = (latent_h, latent_w) if dim == 3 else (latent_w, latent_h)
-    return Shard(dim, shard_sizes(length, across, parts), 0)
+    """The cut a group of `parts` uses on a GPU (model/vae_shards.plan_cut: the pixel floor alone)."""
+    return plan_cut((latent_h, latent_w), parts, torch.device("cuda"))
 
 
 def _walk(vae, latent_shape: tuple[int, ...], dtype: torch.dtype, parts: int) -> None:

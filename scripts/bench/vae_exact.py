@@ -59,8 +59,8 @@ def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int) -> torch.Tensor:
 
     def work(rank: int) -> None:
         group = PatchGroup(groups[rank], rank, ranks, ranks)
-        shard = Shard(cut.dim, cut.sizes, rank)
-        exchange = group.bind(shard)
+        exchange = group.bind(cut)
+        shard = exchange.shard
         with torch.no_grad():
             out[rank] = exchange.collect(walk(vae, shard.of(x, scale), shard, exchange), cut.dim)
 
