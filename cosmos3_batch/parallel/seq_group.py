@@ -7,6 +7,10 @@ issues from its own thread, and CUDA issues from the compute thread onto the com
 rank issues gathers and all-to-alls in the same host order, and the two communicators cannot wait on
 each other). Each one is noted in the pass trace with its row counts, so a test
 can hold every rank of a group to the same sequence of collectives.
+
+Agreements (a few flags, read on the host at once) run on a gloo group of the same ranks (`host`; on CPU the
+group itself): on a device group they would block the host until the compute stream drains, a device sync
+DESIGN.md §5 forbids in the steady state (PassSync's exchange is on gloo for the same reason).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class SeqGroup:
     group: object = None
     device: torch.device = CPU  # where the group's tensors live (NCCL: this rank's GPU)
     note: Callable[[str], None] | None = None  # the pass trace (PassSync.note)
+    host: object = None  # a gloo group of the same ranks, for `agree` (the group itself on CPU)
     all_to_alls: int = 0
 
     @property
@@ -58,11 +63,11 @@ class SeqGroup:
         return out.reshape(value.shape)
 
     def agree(self, flags: list[bool]) -> list[bool]:
-        """Each flag AND-ed over the group's ranks (one small all-reduce)."""
+        """Each flag AND-ed over the group's ranks (one small all-reduce, on `host`: no device sync)."""
         if self.note is not None:
             self.note(f"agree:{len(flags)}")
-        tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host)
         return [bool(v) for v in tensor.tolist()]
 
 
@@ -73,10 +78,12 @@ def build_seq_group(
     if sp == 1:
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    mine = None
+    timeout = timedelta(seconds=timeout_s)
+    mine = host = None
     for ranks in group_ranks(world_size, sp):
         # Collective over the whole world: every rank makes every group, in the same order.
-        group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        on_host = group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank in ranks:
-            mine = group
-    return SeqGroup(sp, rank % sp, rank // sp, mine, device)
+            mine, host = group, on_host
+    return SeqGroup(sp, rank % sp, rank // sp, mine, device, host=host)

@@ -13,12 +13,17 @@ the decoded frames go to the first shard's rank, the writer. Every used shard is
 order because they walk the same modules; a decode runs on the finisher thread with a process group of
 its own, the encode on the pass loop's thread with the `--sp` group's, so neither interleaves with the
 other's messages.
+
+A call of the process group that fails (posting or waiting) raises `PeerLost`: gloo and NCCL raise a plain
+RuntimeError for a closed connection or a timeout, and the team must tell that from its own compute's
+failure to say which one ended the job. The encode's whole-group broadcasts are noted in the pass trace
+(`note`, set by the pass loop): every rank of the `--sp` group issues them, in the pass loop's order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -26,6 +31,27 @@ import torch.distributed as dist
 
 from cosmos3_batch.model.vae_patch import Shard
 from cosmos3_batch.parallel.sequence import group_ranks
+
+
+class PeerLost(RuntimeError):
+    """A message of the group could not be sent or received: a peer rank died or stalled."""
+
+
+def _checked(call: Callable):
+    try:
+        return call()
+    except RuntimeError as exc:
+        raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+
+
+class _Work:
+    """A posted message: its `wait` raises PeerLost if it fails."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        _checked(self.work.wait)
 
 
 @dataclass
@@ -37,21 +63,25 @@ class PatchGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     messages: int = 0  # point-to-point tensors sent by this rank (exact: the tests count them)
     sent_bytes: int = 0
+    note: Callable[[str], None] | None = None  # the pass trace (the encode group's only: see the module doc)
 
     @property
     def member(self) -> bool:
         return self.index < self.parts
 
-    def bind(self, shard: Shard) -> _Bound:
-        """The exchange of this rank's shard of `shard.sizes` (this rank must be one of the used shards)."""
-        assert self.index < len(shard.sizes)
-        return _Bound(self, Shard(shard.dim, shard.sizes, self.index))
+    def bind(self, cut: Shard) -> _Bound:
+        """The exchange of this rank's shard of the cut (`exchange.shard`; this rank must be one of the used
+        shards, whatever the cut's own index)."""
+        assert self.index < len(cut.sizes)
+        return _Bound(self, replace(cut, index=self.index))
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """`tensor` from pg rank `root` on every rank of pg, in place."""
+        if self.note is not None:
+            self.note(f"broadcast:{'x'.join(map(str, tensor.shape))}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        self.pg.broadcast([tensor], opts).wait()
+        _Work(_checked(lambda: self.pg.broadcast([tensor], opts))).wait()
         return tensor
 
     def share_int(self, value: int, root: int = 0) -> int:
@@ -62,13 +92,14 @@ class PatchGroup:
         tensor = tensor.contiguous()
         self.messages += 1
         self.sent_bytes += tensor.numel() * tensor.element_size()
-        return self.pg.send([tensor], to, 0), tensor  # the tensor is kept alive until the send is waited on
+        # The tensor is kept alive until the send is waited on.
+        return _Work(_checked(lambda: self.pg.send([tensor], to, 0))), tensor
 
     def _recv(self, like: torch.Tensor, rows: int, dim: int, source: int):
         shape = list(like.shape)
         shape[dim] = rows
         buffer = like.new_empty(shape)
-        return self.pg.recv([buffer], source, 0), buffer
+        return _Work(_checked(lambda: self.pg.recv([buffer], source, 0))), buffer
 
 
 class _Bound:

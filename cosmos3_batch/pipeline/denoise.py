@@ -90,6 +90,12 @@ class RequestJob:
         return self.step_index + 1 >= len(self.timesteps)
 
     @property
+    def needs_encode(self) -> bool:
+        """Its admission encodes conditioning frames with the VAE (an image, a video, an action canvas)."""
+        r = self.request
+        return r.image is not None or r.video is not None or r.action is not None
+
+    @property
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 

@@ -44,7 +44,7 @@ from cosmos3_batch.pipeline.resume import prepare_out, split_complete
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import preview, rank_report
-from cosmos3_batch.pipeline.vae_team import build_team
+from cosmos3_batch.pipeline.vae_team import GroupBroken, build_team
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
@@ -294,6 +294,9 @@ def _drive(
         runner.run(mine)
         for job in runner.abandoned:  # stopped mid-denoise: on record, and redone by the next run
             writer.row(job, "interrupted", error=f"stopped by {_cause(stop)} mid-denoise")
+    except GroupBroken as exc:  # a RuntimeError too, but it says what failed on this rank
+        log.error("the job ends: %s", exc)
+        raise
     except Exception as exc:
         if world.distributed and isinstance(exc, RuntimeError | dist.DistError):
             log.error(

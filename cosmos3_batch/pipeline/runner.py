@@ -78,13 +78,15 @@ class PassRecord(NamedTuple):
 
 
 class PassSync:
-    """The one collective per pass. Also keeps a trace of every collective this rank issues.
+    """The one collective per pass. Also keeps a trace of the collectives the pass loop issues.
 
     The group is a host (gloo) group on every backend: seven integers need no device, and a device tensor
     here would cost two device syncs per pass (the copy in and `.tolist()`).
 
-    Two traces: every collective this rank issues (with --sp, its group's all-to-alls too: equal within a
-    group), and the world-wide ones alone (the all-reduce and the part fetches: equal on every rank)."""
+    Two traces: every collective the pass loop's thread issues on every rank of its --sp group alike (its
+    group's all-to-alls and agreements and its encodes' broadcasts too, not their halo messages nor the
+    finisher's decodes: equal within a group), and the world-wide ones alone (the all-reduce and the part
+    fetches: equal on every rank)."""
 
     def __init__(self, world_size: int = 1, group=None):
         self.world_size = world_size
@@ -168,6 +170,8 @@ class PassRunner:
         self.decodes = self.team is not None and self.team.decodes
         if sp is not None:
             sp.note = self.sync.note
+        if self.team is not None:  # the encodes' broadcasts, which every rank of the group issues
+            self.team.encoding.note = self.sync.note
         # --max-batch-rows: a batched group's transient (MLP gate/up/product above all) grows with its rows.
         self._apply = PartApplier(ctx.split, batch_branches, max_batch_rows, strict=sp is not None)
         self.totals = Counters()
@@ -263,12 +267,15 @@ class PassRunner:
 
     def _admit(self, requests: list[Request]) -> list[RequestJob]:
         jobs = [RequestJob(self.ctx, request, und_cache=self.und_cache, sp=self.sp) for request in requests]
-        if self.team is not None and jobs:  # the group encodes together: agree on the files first
+        if self.team is not None:  # the group encodes together: agree on the files first
             agree_inputs(jobs, self.sp)
         errors = []
         for job in jobs:
             try:
-                job.prepare()
+                if self.team is None:
+                    job.prepare()
+                else:  # an error before this rank's part in the group's encode ends the job
+                    self.team.prepare(job)
                 errors.append(None)
             except GroupBroken:  # the group's collectives would misalign: end the job
                 raise

@@ -19,7 +19,10 @@ A failure inside a split walk, after its first collective, leaves the members at
 same sequence of messages: none of them may issue another one. The team is then broken on that rank (its
 later decodes fail at once, with no collective), and the pass loop raises at its next pass, which ends
 the job as a dead rank does: its peers' collectives fail on the closed connections (DESIGN.md §11, "a
-compute error ends the job"). Bad inputs never get that far.
+compute error ends the job"). So does an error on one rank before its part in a request's encode (`prepare`):
+its peers would wait in that encode, or pair it with the next request's. Bad inputs never get that far, and a
+request too small to split is decoded or encoded whole after the cut's one broadcast, where an error fails it
+alone: no message follows that the members could disagree on.
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import torch
 
 from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
 from cosmos3_batch.model.vae_shards import plan_cut, shard_sizes
-from cosmos3_batch.parallel.vae_group import PatchGroup
+from cosmos3_batch.parallel.vae_group import PatchGroup, PeerLost
+from cosmos3_batch.pipeline.denoise import RequestFailed
 
 log = logging.getLogger("cosmos3_batch")
 
 
 class GroupBroken(RuntimeError):
-    """A collective of a group decode or encode failed midway: the job must end (see the module doc)."""
+    """The group's decodes or encodes can no longer be kept in step: the job must end (see the module doc).
+    Its message says what failed, on this rank."""
 
 
 @dataclass
@@ -47,9 +52,10 @@ class VaeTeam:
     encoding: PatchGroup  # the --sp group, its first P ranks encode (the pass loop's process group)
     decoding: PatchGroup | None = None  # this rank's decode team (the finisher's); None: not a member
     encode_vae: torch.nn.Module | None = None  # the encode view's VAE (its own caches: pipeline/context.py)
-    broken: BaseException | None = None
+    broken: str | None = None  # what broke the team on this rank (its message only: no frame is kept alive)
     split_decodes: int = 0  # decodes this rank took part in that used more than one shard
     split_encodes: int = 0
+    encodes: int = 0  # encodes whose messages this rank has all taken part in (`prepare` reads it)
 
     @property
     def decodes(self) -> bool:
@@ -59,7 +65,7 @@ class VaeTeam:
     def check(self) -> None:
         """Called by the pass loop every pass: a broken team ends the job."""
         if self.broken is not None:
-            raise GroupBroken(f"a group VAE decode or encode failed midway on this rank: {self.broken}")
+            raise GroupBroken(self.broken)
 
     def install(self, ctx) -> None:
         """Admission's encodes (the helper pipeline's `self.vae.encode`) go through the group."""
@@ -76,18 +82,19 @@ class VaeTeam:
     def decode(self, z: torch.Tensor) -> torch.Tensor | None:
         """`vae.decode(z).sample` on the writer (None on the other members)."""
         self.check()
-        return self._guard(lambda: self._decode(z))
+        cut = self._guard(lambda: self._cut(self.decoding, z.shape[-2:], z.device))
+        if len(cut.sizes) == 1:  # too small to split: the writer decodes it whole, as without the flag (no
+            # message follows: an error fails this request alone)
+            return self.vae.decode(z).sample if self.decoding.index == 0 else None
+        return self._guard(lambda: self._decode(z, cut))
 
-    def _decode(self, z: torch.Tensor) -> torch.Tensor | None:
+    def _decode(self, z: torch.Tensor, cut: Shard) -> torch.Tensor | None:
         group = self.decoding
-        cut = self._cut(group, z.shape[-2:], z.device)
-        if len(cut.sizes) == 1:  # too small to split: the writer decodes it whole, as without the flag
-            return self.vae.decode(z).sample if group.index == 0 else None
         if group.index >= len(cut.sizes):
             return None
         self.split_decodes += 1
-        shard = Shard(cut.dim, cut.sizes, group.index)
-        exchange = group.bind(shard)
+        exchange = group.bind(cut)
+        shard = exchange.shard
         return exchange.collect(decode_shard(self.vae, shard.of(z), shard, exchange), cut.dim)
 
     # ---- encode (pass loop thread) ----------------------------------------------------------------
@@ -98,20 +105,25 @@ class VaeTeam:
         from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
         self.check()
-        h = self._guard(lambda: self._encode(x))
+        spatial = int(self.vae.config.scale_factor_spatial)
+        latent_hw = (x.shape[3] // spatial, x.shape[4] // spatial)
+        cut = self._guard(lambda: self._cut(self.encoding, latent_hw, x.device))
+        if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag (no message follows: an
+            # error fails this request alone)
+            self.encodes += 1
+            h = type(self.encode_vae)._encode(self.encode_vae, x)
+        else:
+            h = self._guard(lambda: self._encode(x, cut, spatial))
+            self.encodes += 1
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor, cut: Shard, spatial: int) -> torch.Tensor:
         group, config = self.encoding, self.vae.config
-        spatial = int(config.scale_factor_spatial)
-        cut = self._cut(group, (x.shape[3] // spatial, x.shape[4] // spatial), x.device)
-        if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag
-            return type(self.encode_vae)._encode(self.encode_vae, x)
         whole = None
         if group.index < len(cut.sizes):
-            shard = Shard(cut.dim, cut.sizes, group.index)
-            exchange = group.bind(shard)
+            exchange = group.bind(cut)
+            shard = exchange.shard
             whole = exchange.collect(encode_shard(self.vae, shard.of(x, spatial), shard, exchange), cut.dim)
         if whole is None:
             frames = 1 + (x.shape[2] - 1) // int(config.scale_factor_temporal)
@@ -129,13 +141,35 @@ class VaeTeam:
         used = group.share_int(len(cut.sizes))
         return cut if used == len(cut.sizes) else _with_parts(cut, used)
 
+    def prepare(self, job) -> None:
+        """`job.prepare()` at admission. Every rank of the group takes part in each request's encode, in
+        order: an error on this rank before its part in it (preprocessing, the copy to the device) would leave
+        its peers waiting there, or pair them with the next request's, so it ends the job. RequestFailed is
+        raised on every rank alike (the agreed inputs, the checkpoint's modes) and fails the request alone, as
+        does any error once the encode's messages are done (the runner's agreement then drops it on every
+        rank)."""
+        done = self.encodes
+        try:
+            job.prepare()
+        except (RequestFailed, GroupBroken):
+            raise
+        except Exception as exc:
+            if job.needs_encode and self.encodes == done:
+                what = f"request {job.request.id} failed on this rank before its group encode"
+                raise GroupBroken(f"{what}: {type(exc).__name__}: {exc}") from exc
+            raise
+
     def _guard(self, step):
         try:
             return step()
         except Exception as exc:
-            self.broken = exc
-            log.error("a group VAE walk failed midway; the job ends: %s: %s", type(exc).__name__, exc)
-            raise GroupBroken(f"{type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, PeerLost):
+                what = f"a message failed: a peer rank died or stalled past --collective-timeout-s ({exc})"
+            else:
+                what = f"failed on this rank: {type(exc).__name__}: {exc}"
+            self.broken = f"a group VAE walk broke midway, {what}"
+            log.error("%s; the job ends", self.broken)
+            raise GroupBroken(self.broken) from exc
 
 
 def _with_parts(cut: Shard, used: int) -> Shard:
@@ -144,7 +178,10 @@ def _with_parts(cut: Shard, used: int) -> Shard:
 
 def agree_inputs(jobs: list, seq_group) -> None:
     """Read each admitted request's files on this rank, then one agree over the --sp group: a request whose
-    files one rank cannot read fails on every rank (`job.input_error`), before any encode."""
+    files one rank cannot read fails on every rank (`job.input_error`), before any encode. Nothing (no
+    collective) when no request needs an encode."""
+    if not any(job.needs_encode for job in jobs):
+        return
     for job in jobs:
         job.load_inputs()
     agreed = seq_group.agree([job.input_error is None for job in jobs])

@@ -7,6 +7,7 @@ checks exit 2; `plan` shows the decode's time and memory per rank."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from datetime import timedelta
@@ -79,8 +80,8 @@ def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int = 1) -> tuple[torch
 
     def one(group: PatchGroup):
         groups.append(group)
-        shard = Shard(cut.dim, cut.sizes, group.index)
-        exchange = group.bind(shard)
+        exchange = group.bind(cut)
+        shard = exchange.shard
         return exchange.collect(walk(vae, shard.of(x, scale), shard, exchange), cut.dim)
 
     out = in_threads(len(cut.sizes), one)
@@ -234,7 +235,8 @@ def test_a_group_decode_gives_the_writer_the_frames_and_the_others_none(vae):
 
 def test_a_walk_broken_midway_ends_the_team_on_every_member(vae, monkeypatch):
     """The second member fails at its third halo: it stops there, the first one's wait for that halo times
-    out; both teams are broken and issue no collective again (the pass loop's check ends the job)."""
+    out; both teams are broken and issue no collective again (the pass loop's check ends the job), each
+    saying what broke it: its own compute, or a message of its peer's."""
     from cosmos3_batch.parallel import vae_group
 
     calls = {"n": 0}
@@ -251,20 +253,49 @@ def test_a_walk_broken_midway_ends_the_team_on_every_member(vae, monkeypatch):
     z = torch.randn(1, vae.config.z_dim, 1, 8, 8)
 
     def decode(team: VaeTeam):
-        with pytest.raises(GroupBroken):
+        with pytest.raises(GroupBroken) as broke:
             team.decode(z)
         sent = team.decoding.messages
         with pytest.raises(GroupBroken):  # at once: no collective
             team.decode(z)
-        with pytest.raises(GroupBroken):
+        with pytest.raises(GroupBroken) as again:
             team.check()
-        return sent == team.decoding.messages
+        return sent == team.decoding.messages and str(again.value) == str(broke.value), str(broke.value)
 
-    assert [r[1] for r in teams(2, vae, decode, timeout_s=3)] == [True, True]
+    (first, second) = [r[1] for r in teams(2, vae, decode, timeout_s=3)]
+    assert first[0] and second[0]
+    assert first[1].startswith("a group VAE walk broke midway, a message failed: a peer rank died or stalled")
+    assert second[1] == "a group VAE walk broke midway, failed on this rank: RuntimeError: out of memory"
+
+
+def test_an_unsplit_decode_that_fails_fails_its_request_alone(vae):
+    """A latent too small to split (4x4: one shard of 16 pixels) is decoded whole by the writer after the
+    cut's one broadcast: its error fails that request (the finisher reports it), not the team, and the next
+    decode (split) runs."""
+    small = torch.randn(1, vae.config.z_dim, 1, 4, 4, generator=torch.Generator().manual_seed(8))
+    z = torch.randn(1, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(9))
+
+    def out_of_memory(latents):
+        raise RuntimeError("out of memory")
+
+    def decode(team: VaeTeam):
+        if team.decoding.index == 0:  # the writer's VAE: the same modules, a decode that fails
+            team.vae = copy.copy(vae)
+            object.__setattr__(team.vae, "decode", out_of_memory)
+        try:
+            first = team.decode(small)
+        except RuntimeError as exc:
+            first = f"{type(exc).__name__}: {exc}"
+        return first, team.broken, team.decode(z) is not None
+
+    results = [r if isinstance(r, Exception) else r[1] for r in teams(2, vae, decode, timeout_s=3)]
+    assert results == [("RuntimeError: out of memory", None, True), (None, None, False)]
 
 
 def test_a_request_one_rank_cannot_read_fails_on_every_rank_before_any_encode():
     class Job:
+        needs_encode = True
+
         def __init__(self, error):
             self.error, self.input_error = error, None
 
