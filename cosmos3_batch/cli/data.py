@@ -10,19 +10,19 @@ from typing import Annotated
 import typer
 
 FORMAT_HELP = (
-    "files: a folder of files per request (default); webdataset: tar shards per rank under "
-    "OUT/shards/<kind>/ (image, video, video-sound, actions, ...; one member set per shard), read by "
-    "webdataset and HF datasets."
+    "files: a folder of files per request; webdataset: tar shards per rank under OUT/shards/<kind>/ "
+    "(image, video, video-sound, actions, ...; one member set per shard), read by webdataset and HF "
+    "datasets. Default: what OUT already holds, else files."
 )
 LAYOUT_HELP = (
     "--format files: flat (every file in OUT) or nested (OUT/<2 hex digits of a hash of the id>/). Default: "
     "what OUT already holds, else nested above 10,000 requests."
 )
 SHARD_SIZE_HELP = (
-    "--format webdataset: finalize a shard at this size: bytes with a unit (1GB, 512MiB; default 1GB) or a "
-    "number of samples (1000)."
+    "--format webdataset (given, or what OUT holds): finalize a shard at this size: bytes with a unit (1GB, "
+    "512MiB; default 1GB) or a number of samples (1000)."
 )
-Format = Annotated[str, typer.Option("--format", help=FORMAT_HELP)]
+Format = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
 Layout = Annotated[str | None, typer.Option(help=LAYOUT_HELP)]
 ShardSize = Annotated[str | None, typer.Option(help=SHARD_SIZE_HELP)]
 Out = Annotated[Path, typer.Argument(help="A run's --out folder (shared by the tasks of a Slurm array).")]

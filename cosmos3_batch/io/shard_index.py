@@ -77,20 +77,56 @@ def latest_samples(indexes: list[dict]) -> dict[str, Located]:
     return latest
 
 
+def finish_renames(out: Path, tag: str) -> int:
+    """Finish the renames a kill interrupted, in a finalize or a rewrite of this tag's shards: a temporary
+    that its shard's index already records (size and inode) is complete and fsynced, so it is renamed into
+    place instead of being lost (or, after a rewrite, instead of the old tar staying with samples the index
+    no longer lists). Returns the shards renamed."""
+    renamed = 0
+    for path in _temporaries(out, tag):
+        if _recorded_by_index(out, path):
+            os.replace(path, path.with_name(_stem(path) + ".tar"))
+            _fsync_dir(path.parent)
+            renamed += 1
+    return renamed
+
+
 def remove_stale(out: Path, tag: str) -> int:
-    """What killed writers of this tag left: open shards' temporaries, staging folders, and indexes whose
-    tar never appeared. Other array tasks' files (other tags) are theirs and may be in use: never touched."""
-    prefix = f"{tag}-rank" if tag else "rank"
+    """What killed writers of this tag left: open shards' temporaries (after `finish_renames`), staging
+    folders, and indexes whose tar never appeared. Other array tasks' files (other tags) are theirs and may
+    be in use: never touched. Returns the temporaries deleted."""
+    finish_renames(out, tag)
     removed = 0
-    for path in (out / SHARDS).glob(f"*/.{prefix}*.tar.tmp"):
+    for path in _temporaries(out, tag):
         path.unlink(missing_ok=True)
         removed += 1
+    prefix = f"{tag}-rank" if tag else "rank"
     for folder in (out / STAGING_DIR).glob(f"{prefix}*"):
         shutil.rmtree(folder, ignore_errors=True)
     for path in (out / INDEX_DIR).glob(f"*/{prefix}*.json"):
         if not (out / SHARDS / path.parent.name / path.with_suffix(".tar").name).exists():
             path.unlink(missing_ok=True)
     return removed
+
+
+def _temporaries(out: Path, tag: str) -> list[Path]:
+    prefix = f"{tag}-rank" if tag else "rank"
+    return sorted((out / SHARDS).glob(f"*/.{prefix}*.tar.tmp"))
+
+
+def _stem(tmp: Path) -> str:
+    """`[TAG-]rankR-NNNNNN` of a temporary `.<stem>.<pid>[.<random>].tar.tmp` (a stem holds no dot)."""
+    return tmp.name[1:].split(".", 1)[0]
+
+
+def _recorded_by_index(out: Path, tmp: Path) -> bool:
+    """Whether the index of `tmp`'s shard records `tmp` itself (its size and inode)."""
+    try:
+        index = json.loads((out / INDEX_DIR / tmp.parent.name / f"{_stem(tmp)}.json").read_text())
+        st = tmp.stat()
+        return (index["bytes"], index["inode"]) == (st.st_size, st.st_ino)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def drop_superseded(out: Path, tag: str) -> int:
@@ -130,6 +166,7 @@ def _rewrite(out: Path, index: dict, stale: set[str]) -> None:
                     info.size, info.mtime, info.mode = size, int(time.time()), 0o644
                     src.seek(offset)
                     tar.addfile(info, _Slice(src, size))
+                    tar.members.clear()  # as the writer: no header list growing with the shard
                     moved[suffix] = [tar.offset - padded_size(size), size]
                 sample["members"] = moved
             tar.close()

@@ -12,7 +12,13 @@ from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.dataset import Dataset, write_record
 from cosmos3_batch.io.manifest import recorded_sidecars
-from cosmos3_batch.io.shard_index import latest_samples, read_indexes, remove_stale, sample_complete
+from cosmos3_batch.io.shard_index import (
+    finish_renames,
+    latest_samples,
+    read_indexes,
+    remove_stale,
+    sample_complete,
+)
 from cosmos3_batch.pipeline.results import output_key
 from cosmos3_batch.requests.parse import Request
 
@@ -24,6 +30,8 @@ def split_complete(
 ) -> tuple[list[Request], list[Request]]:
     """(to generate, already complete); with --overwrite everything is generated again."""
     shards = dataset.format == "webdataset"
+    if shards:  # a shard whose rename a kill interrupted counts: its samples are not generated again
+        finish_renames(cfg.out, cfg.tag)
     located = latest_samples(read_indexes(cfg.out)) if shards else {}
     recorded = {} if shards or cfg.overwrite else recorded_sidecars(cfg.out)
     todo, complete = [], []

@@ -174,8 +174,15 @@ def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs
 
 def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp_path):
     out, prompts = runs["shards"], runs["prompts"]
-    again = run(prompts, tiny_ckpt, out, "--format", "webdataset")
-    assert f"0 generated, 0 failed, {len(IDS)} already complete" in again.output
+    # A kill between a shard's index and its rename: the index records the temporary (the same inode).
+    shard = Path(tars(out, "video-latents")[0])
+    shard.rename(shard.with_name(f".{shard.stem}.999.tar.tmp"))
+    # No --format: the rerun follows what OUT holds (and takes --shard-size); the rename is finished first.
+    again = run(prompts, tiny_ckpt, out, "--shard-size", "2")
+    assert f"0 generated, 0 failed, {len(IDS)} already complete" in again.output, again.output
+    assert tars(out, "video-latents")[0] == str(shard) and not list(shard.parent.glob(".*"))
+    layout = invoke("run", prompts, "--out", out, "--layout", "nested")  # a files setting: refused
+    assert layout.exit_code == 2 and "--layout applies to --format files only" in layout.output
     status = invoke("status", out, "--json")
     assert status.exit_code == 0 and json.loads(status.output)["done"] == len(IDS)
     more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])
