@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -194,6 +195,31 @@ def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp
     keys = [s["__key__"] for kind in KINDS for s in wds.WebDataset(tars(out, kind), shardshuffle=False)]
     assert sorted(keys) == sorted(i.replace(".", "%2E") for i in IDS)
     assert sum(len(i["samples"]) for i in read_indexes(out)) == len(IDS)
+
+
+def test_lost_metrics_rows_are_recovered_naming_the_media(runs, tmp_path):
+    from cosmos3_batch.config import RunConfig
+    from cosmos3_batch.io import dataset
+    from cosmos3_batch.io.metrics import MetricsWriter, read_part
+    from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
+    from cosmos3_batch.requests.parse import load_requests
+
+    requests = load_requests(str(runs["prompts"]))[0]
+    for fmt in ("files", "shards"):
+        out = tmp_path / fmt
+        shutil.copytree(runs[fmt], out, copy_function=os.link)  # linked: the shard indexes' inodes hold
+        for part in (out / ".cosmos3_batch").glob("metrics.*rank*.csv"):
+            part.unlink()  # every row lost (a crash after the outputs were final)
+        metrics = MetricsWriter(out, rank=0)
+        cfg = RunConfig(prompts=("-",), out=out)
+        shards = shard_writer(cfg, dataset.of(out), 0)
+        writer = ResultWriter(cfg, Path("model"), metrics, "identity", shards=shards)
+        assert writer.recover_rows(requests) == len(IDS)
+        metrics.close()
+        frame = pd.read_parquet(out / "manifest.parquet")
+        media = {r.id: r.path + (f"/{r.member}" if fmt == "shards" else "") for r in frame.itertuples()}
+        assert {row["id"]: row["output"] for row in read_part(metrics.path)[0]} == media
+        assert all(Path(path).suffix in (".png", ".mp4") for path in media.values())
 
 
 def test_nested_layout_is_followed_by_resume_report_and_manifest(runs, tiny_ckpt, tmp_path):
