@@ -71,13 +71,11 @@ def status(
     2: OUT holds no run or the input is unreadable."""
     import json
 
-    from cosmos3_batch.io.status import array_counts, dataset_status, describe
+    from cosmos3_batch.io.status import dataset_status, describe
 
     try:
         requests = _requests(input, samples_per_prompt)
-        counts = array_counts(out)
-        task_of = _task_of(counts[-1]) if counts else None
-        report = dataset_status(out, [r.id for r in requests] if requests is not None else None, task_of)
+        report = dataset_status(out, [r.id for r in requests] if requests is not None else None)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -93,11 +91,8 @@ def manifest(
     """(Re)write OUT/manifest.parquet from every rank and array task that wrote to OUT: one row per
     request (with --input, also the pending ones). Columns: docs/outputs.md."""
     from cosmos3_batch.io.manifest import write_manifest
-    from cosmos3_batch.io.metrics import STATE_DIR
 
     try:
-        if not (out / STATE_DIR).is_dir():
-            raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
         path, rows = write_manifest(out, _requests(input, samples_per_prompt) or ())
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -137,9 +132,3 @@ def _requests(paths: list[str] | None, samples: int):
         return load_requests(paths, skip_invalid=True, samples=samples)[0]
     except (RequestFileError, OSError) as exc:
         raise ValueError(f"--input: {exc}") from exc
-
-
-def _task_of(count: int):
-    from cosmos3_batch.plan.schedule import shard_index
-
-    return lambda rid: f"{shard_index(rid, count)}/{count}"

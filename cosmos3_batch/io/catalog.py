@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cosmos3_batch.io import dataset
+from cosmos3_batch.io.metrics import STATE_DIR
 from cosmos3_batch.io.shard_index import Located, latest_samples, read_indexes
 
 MEDIA_SUFFIXES = ("png", "mp4")
@@ -39,6 +40,12 @@ class Output:
             return suffix in self.located.sample["members"]
         files = (self.record.get("files") or {}).values()
         return f"{self.id}.{suffix}" in {entry.get("name") for entry in files if isinstance(entry, dict)}
+
+
+def require_run(out: Path) -> None:
+    """ValueError unless a run has written to OUT (for `status` and `manifest`: said, not reported empty)."""
+    if not (out / STATE_DIR).is_dir():
+        raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
 
 
 def complete_outputs(out: Path, known: Callable[[str, float], bool] | None = None) -> dict[str, Output]:

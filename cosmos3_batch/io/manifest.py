@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cosmos3_batch.io import dataset
-from cosmos3_batch.io.catalog import Output, complete_outputs
+from cosmos3_batch.io.catalog import Output, complete_outputs, require_run
 from cosmos3_batch.io.metrics import iso_time, latest_rows, merge_lock
 from cosmos3_batch.io.outputs import atomic_write
 from cosmos3_batch.io.shard_index import drop_superseded
@@ -66,7 +66,8 @@ def write_manifest(
     """Write OUT/manifest.parquet; `requests` (Request objects) fill in the prompt of requests with no output
     and add a `pending` row for those with no record at all. With `tag` (a run's end), this run's shards
     are first rewritten without samples that a newer shard holds again. `rows`: the latest metrics row per
-    id, when the caller has just merged them. Returns (path, rows)."""
+    id, when the caller has just merged them. Returns (path, rows). ValueError if no run wrote to OUT."""
+    require_run(out)
     with merge_lock(out):
         if tag is not None and dataset.of(out).format == "webdataset":
             drop_superseded(out, tag)

@@ -259,6 +259,13 @@ def test_status_and_manifest_merge_the_tasks_of_an_array(runs, tiny_ckpt, tmp_pa
     assert dict(zip(frame["id"], frame["status"], strict=True))["later"] == "pending" and len(frame) == 8
 
 
+def test_status_and_manifest_refuse_a_folder_no_run_wrote_to(tmp_path):
+    for command in ("status", "manifest"):
+        result = invoke(command, tmp_path)
+        assert result.exit_code == 2 and "no run has written here" in result.output, command
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_layout_is_nested_above_10k_requests_and_kept_by_later_runs(tmp_path):
     assert choose(tmp_path, "files", None, 10_000) == Dataset("files", "flat")
     assert choose(tmp_path, "files", None, 10_001) == Dataset("files", "nested")
