@@ -55,9 +55,12 @@ SCHEMA = pa.schema(
         ("write_s", pa.float64()),
         ("finished_at", pa.string()),
         ("error", pa.string()),
+        ("sidecar_inode", pa.int64()),  # files: the sidecar's inode and size when the row was made (with
+        ("sidecar_bytes", pa.int64()),  # finished_at, its mtime: a rerun trusts the row while all three hold)
     ]
 )
 TIMINGS = ("prepare_s", "denoise_s", "decode_s", "write_s")
+STAMP = ("finished_at", "sidecar_inode", "sidecar_bytes")  # files: outputs.sidecar_stamp of the sidecar
 
 
 def write_manifest(
@@ -78,13 +81,14 @@ def write_manifest(
 
 def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table:
     """The rows. A complete output's row of the previous manifest.parquet is kept when its sidecar has not
-    changed since (same mtime): a rerun over 100,000 complete requests stats their sidecars, reads none."""
+    changed since (same mtime, inode and size): a rerun over 100,000 complete requests stats their
+    sidecars, reads none."""
     fmt = dataset.of(out).format
     previous, recorded = _previous(out, fmt)
     reused: set[str] = set()
 
-    def unchanged(rid: str, mtime: float) -> bool:
-        if recorded.get(rid) == iso_time(mtime):
+    def unchanged(rid: str, stamp: tuple) -> bool:
+        if recorded.get(rid) == stamp:
             reused.add(rid)
             return True
         return False
@@ -105,27 +109,27 @@ def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table
     return table
 
 
-def recorded_sidecars(out: Path) -> dict[str, tuple[str, dict]]:
-    """id -> (its sidecar's mtime as recorded, what resume checks of it), from the last manifest.parquet
-    (files format): `outputs.is_complete` uses it while the sidecar's mtime is unchanged."""
+def recorded_sidecars(out: Path) -> dict[str, tuple[tuple, dict]]:
+    """id -> (its sidecar's stamp as recorded: mtime, inode, size; what resume checks of it), from the last
+    manifest.parquet (files format): `outputs.is_complete` uses it while the sidecar's stamp is unchanged."""
     if dataset.of(out).format != "files":
         return {}
     try:
-        columns = ["id", "status", "request_hash", "output_key", "files", "finished_at"]
+        columns = ["id", "status", "request_hash", "output_key", "files", *STAMP]
         table = pq.read_table(out / NAME, columns=columns).to_pydict()
     except (OSError, pa.ArrowException, KeyError):
         return {}
     found = {}
-    for rid, status, content, key, files, finished in zip(*(table[c] for c in columns), strict=True):
-        if status == "ok" and files and finished:
+    for rid, status, content, key, files, *stamp in zip(*(table[c] for c in columns), strict=True):
+        if status == "ok" and files and None not in stamp:
             sidecar = {"status": "complete", "request_hash": content, "output_key": key}
-            found[rid] = (finished, {**sidecar, "files": json.loads(files)})
+            found[rid] = (tuple(stamp), {**sidecar, "files": json.loads(files)})
     return found
 
 
 def _previous(out: Path, fmt: str) -> tuple[pa.Table | None, dict[str, str]]:
-    """The manifest written before, and id -> `finished_at` (its sidecar's mtime) of each complete output
-    in it (files format: those rows are reused while their sidecars are unchanged)."""
+    """The manifest written before, and id -> its sidecar's stamp (`finished_at`, inode, size) of each
+    complete output in it (files format: those rows are reused while their sidecars are unchanged)."""
     if fmt != "files":
         return None, {}
     try:
@@ -134,11 +138,11 @@ def _previous(out: Path, fmt: str) -> tuple[pa.Table | None, dict[str, str]]:
         return None, {}
     if table.schema != SCHEMA:
         return None, {}
-    columns = table.select(["id", "status", "path", "finished_at"]).to_pydict()
+    columns = table.select(["id", "status", "path", *STAMP]).to_pydict()
     recorded = {
-        rid: finished
-        for rid, status, path, finished in zip(*columns.values(), strict=True)
-        if status == "ok" and path and finished
+        rid: tuple(stamp)
+        for rid, status, path, *stamp in zip(*columns.values(), strict=True)
+        if status == "ok" and path and None not in stamp
     }
     return table, recorded
 
@@ -168,6 +172,7 @@ def _complete(output: Output, row: dict | None, fmt: str) -> dict:
         **{k: _number(timings.get(k), float) for k in TIMINGS},
         "finished_at": iso_time(output.finished),
         "error": None,
+        **dict(zip(STAMP[1:], output.stamp[1:] if output.stamp else (None, None), strict=True)),
     }
 
 

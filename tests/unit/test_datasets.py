@@ -130,27 +130,50 @@ def test_manifest_is_read_by_pandas_and_hf_datasets(runs):
         assert hf.num_rows == len(IDS) and hf[0]["id"] == IDS[0]
 
 
+def linked_copy(src: Path, dst: Path) -> Path:
+    """A copy of a run's OUT whose files keep their inodes (hard links: the manifest and the shard indexes
+    recorded them); the part files a run appends to are copied, and every other file is replaced by a
+    rename, so nothing of `src` changes."""
+    shutil.copytree(src, dst, copy_function=os.link)
+    for part in (dst / ".cosmos3_batch").glob("*.csv"):
+        part.unlink()
+        shutil.copy2(src / ".cosmos3_batch" / part.name, part)
+    return dst
+
+
+def rewrite_keeping_mtime(path: Path, text: str) -> None:
+    """A new file renamed over `path` (as every writer of ours writes), with the old one's mtime."""
+    st = path.stat()
+    new = path.with_name(f".{path.name}.new")
+    new.write_text(text)
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+
+
 def test_a_rerun_manifest_reuses_the_rows_of_unchanged_sidecars(runs, monkeypatch, tmp_path):
     from cosmos3_batch.io import catalog
     from cosmos3_batch.io.manifest import build_manifest
 
-    out = tmp_path / "copy"
-    shutil.copytree(runs["files"], out)  # copy2 keeps the mtimes the manifest recorded
+    out = linked_copy(runs["files"], tmp_path / "copy")
     read = []
     real = catalog._sidecar
     monkeypatch.setattr(catalog, "_sidecar", lambda path: read.append(path.name) or real(path))
     again = build_manifest(out)
-    assert read == ["summary.json"]  # no request's sidecar read: each row reused by its mtime
+    assert read == ["summary.json"]  # no request's sidecar read: each row reused by its stamp
     assert again.equals(pq.read_table(out / "manifest.parquet"))
-    (out / "d1.json").touch()  # a changed sidecar is read again
+    # A changed sidecar is read again, even with the mtime set back: a rewrite is a rename (another inode).
+    rewrite_keeping_mtime(out / "d2.json", (out / "d2.json").read_text())
     read.clear()
     build_manifest(out)
-    assert sorted(read) == ["d1.json", "summary.json"]
+    assert sorted(read) == ["d2.json", "summary.json"]
 
 
 def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs, tiny_ckpt, tmp_path):
-    out = tmp_path / "copy"
-    shutil.copytree(runs["files"], out)  # copy2: the sidecars keep the mtimes the manifest recorded
+    out = linked_copy(runs["files"], tmp_path / "copy")
+    # d2's sidecar replaced (a rename) by one of another request, of the same size, its mtime set back.
+    other = json.loads((out / "d2.json").read_text()) | {"request_hash": "0" * 64}
+    other = json.dumps(other, indent=2, sort_keys=True) + "\n"  # as outputs.write_json writes it
+    assert len(other) == (out / "d2.json").stat().st_size
     sidecars = {f"{rid}.json" for rid in IDS}
     read: list[str] = []
     real = Path.read_text
@@ -165,12 +188,13 @@ def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs
         assert f"{len(IDS)} already complete" in run(runs["prompts"], tiny_ckpt, out).output
         assert read == []  # every sidecar unchanged since the manifest: its recorded content is used
         (out / "d1.png").unlink()  # ... and every file it lists is still checked on disk
-        (out / "d2.json").touch()  # a sidecar changed since: read again
+        rewrite_keeping_mtime(out / "d2.json", other)  # a sidecar changed since: read again (another inode)
         again = run(runs["prompts"], tiny_ckpt, out)
-    assert f"1 generated, 0 failed, {len(IDS) - 1} already complete" in again.output
-    # d2's changed sidecar: read by the resume check and by the manifest; d1's new one: by the manifest only.
+    assert f"2 generated, 0 failed, {len(IDS) - 2} already complete" in again.output
+    # d2's changed sidecar: read by the resume check; d1's and d2's new ones: by the manifest.
     assert sorted(read) == ["d1.json", "d2.json", "d2.json"]
     assert (out / "d1.png").read_bytes() == (runs["files"] / "d1.png").read_bytes()
+    assert (out / "d2.mp4").read_bytes() == (runs["files"] / "d2.mp4").read_bytes()
 
 
 def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp_path):
@@ -207,7 +231,7 @@ def test_lost_metrics_rows_are_recovered_naming_the_media(runs, tmp_path):
     requests = load_requests(str(runs["prompts"]))[0]
     for fmt in ("files", "shards"):
         out = tmp_path / fmt
-        shutil.copytree(runs[fmt], out, copy_function=os.link)  # linked: the shard indexes' inodes hold
+        linked_copy(runs[fmt], out)
         for part in (out / ".cosmos3_batch").glob("metrics.*rank*.csv"):
             part.unlink()  # every row lost (a crash after the outputs were final)
         metrics = MetricsWriter(out, rank=0)
