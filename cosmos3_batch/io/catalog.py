@@ -50,19 +50,21 @@ def require_run(out: Path) -> None:
         raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
 
 
-def complete_outputs(out: Path, known: Callable[[str, tuple], bool] | None = None) -> dict[str, Output]:
+def complete_outputs(
+    out: Path, known: Callable[[str, tuple], bool] | None = None, indexes: list[dict] | None = None
+) -> dict[str, Output]:
     """Request id -> its complete output, in the format OUT was written in. `known(id, stamp)`: True for a
     sidecar the caller already has a record of as of that `outputs.sidecar_stamp` (files format): it is not
-    read, and not returned."""
+    read, and not returned. `indexes`: the shard indexes (webdataset), when the caller has just read them."""
     held = dataset.of(out)
     if held.format == "webdataset":
-        return _shard_outputs(out)
+        return _shard_outputs(read_indexes(out) if indexes is None else indexes)
     return _file_outputs(out, held.layout, known)
 
 
-def _shard_outputs(out: Path) -> dict[str, Output]:
+def _shard_outputs(indexes: list[dict]) -> dict[str, Output]:
     found = {}
-    for rid, loc in latest_samples(read_indexes(out)).items():
+    for rid, loc in latest_samples(indexes).items():
         media = next((s for s in loc.sample["members"] if s in MEDIA_SUFFIXES), "")
         finished = datetime.fromisoformat(loc.finalized_at).timestamp()
         found[rid] = Output(rid, loc.sample, loc.shard, loc.member(media), finished, loc)

@@ -20,7 +20,7 @@ from cosmos3_batch.io import dataset
 from cosmos3_batch.io.catalog import Output, complete_outputs, require_run
 from cosmos3_batch.io.metrics import iso_time, latest_rows, merge_lock
 from cosmos3_batch.io.outputs import atomic_write
-from cosmos3_batch.io.shard_index import drop_superseded
+from cosmos3_batch.io.shard_index import drop_superseded, read_indexes
 
 NAME = "manifest.parquet"
 SCHEMA = pa.schema(
@@ -72,17 +72,20 @@ def write_manifest(
     id, when the caller has just merged them. Returns (path, rows). ValueError if no run wrote to OUT."""
     require_run(out)
     with merge_lock(out):
+        indexes = None  # the shard indexes, read once for both
         if tag is not None and dataset.of(out).format == "webdataset":
-            drop_superseded(out, tag)
-        table = build_manifest(out, requests, rows)
+            indexes = drop_superseded(out, tag, read_indexes(out))
+        table = build_manifest(out, requests, rows, indexes)
         atomic_write(out / NAME, lambda tmp: pq.write_table(table, tmp))
     return out / NAME, table.num_rows
 
 
-def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table:
+def build_manifest(
+    out: Path, requests=(), rows: dict | None = None, indexes: list[dict] | None = None
+) -> pa.Table:
     """The rows. A complete output's row of the previous manifest.parquet is kept when its sidecar has not
     changed since (same mtime, inode and size): a rerun over 100,000 complete requests stats their
-    sidecars, reads none."""
+    sidecars, reads none. `indexes`: the shard indexes as the caller just read them (webdataset)."""
     fmt = dataset.of(out).format
     previous, recorded = _previous(out, fmt)
     reused: set[str] = set()
@@ -93,7 +96,7 @@ def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table
             return True
         return False
 
-    done = complete_outputs(out, unchanged)
+    done = complete_outputs(out, unchanged, indexes)
     rows = latest_rows(out, warn=False) if rows is None else rows
     known = {r.id: r for r in requests}
     records = []

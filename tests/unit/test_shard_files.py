@@ -4,10 +4,16 @@ grow with its shard. (What a run writes, read by the real loaders: test_datasets
 
 from __future__ import annotations
 
+import json
 import os
 import tarfile
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from cosmos3_batch.io.dataset import Dataset, write_record
+from cosmos3_batch.io.manifest import write_manifest
+from cosmos3_batch.io.metrics import state_dir
 from cosmos3_batch.io.shard_index import drop_superseded, read_indexes, remove_stale
 from cosmos3_batch.io.shards import ShardWriter
 
@@ -96,3 +102,25 @@ def test_a_writers_tar_keeps_no_member_list(tmp_path, monkeypatch):
     assert kept == [0, 0, 0]  # two shards written, one rewritten: none kept a member list
     assert members(tmp_path) == {"shards/t/rank0-000001.tar": ["s1.txt", "s2.txt"],
                                  "shards/t/rank0-000002.tar": ["s0.txt"]}  # fmt: skip
+
+
+def test_a_runs_end_reads_each_shard_index_once(tmp_path, monkeypatch):
+    # Dropping superseded samples and building the manifest share one reading of the indexes.
+    write_record(state_dir(tmp_path).parent, Dataset("webdataset", "flat"))
+    writer = ShardWriter(tmp_path, rank=0, tag="", max_bytes=0, max_samples=2)
+    for rid in ("a", "b", "a"):  # a again: the first shard is rewritten without it
+        add(writer, rid)
+    writer.close()
+    read = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: read.append(p.name) or real(p, *a, **k))
+    write_manifest(tmp_path, tag="")
+    assert sorted(n for n in read if n.startswith("rank")) == ["rank0-000001.json", "rank0-000002.json"]
+    monkeypatch.undo()
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "manifest.parquet").to_pylist()}
+    assert {rid: row["path"] for rid, row in rows.items()} == {
+        "a": "shards/t/rank0-000002.tar",
+        "b": "shards/t/rank0-000001.tar",
+    }
+    rewritten = {i["shard"]: i["samples"] for i in read_indexes(tmp_path)}["shards/t/rank0-000001.tar"]
+    assert json.loads(rows["b"]["files"]) == rewritten[0]["members"]  # its offset in the rewritten tar
