@@ -246,6 +246,41 @@ def test_lost_metrics_rows_are_recovered_naming_the_media(runs, tmp_path):
         assert all(Path(path).suffix in (".png", ".mp4") for path in media.values())
 
 
+class TwoRanks:
+    """The collectives `_plan_everywhere` issues, for one rank of a world of two run one after the other:
+    rank 0's broadcast is kept for rank 1; gathers return this rank's object twice."""
+
+    sent: object = None
+
+    def __init__(self, rank: int):
+        self.rank, self.world_size, self.distributed, self.is_main = rank, 2, True, rank == 0
+
+    def all_gather_object(self, obj) -> list:
+        return [obj, obj]
+
+    def broadcast_object(self, obj):
+        if self.is_main:
+            TwoRanks.sent = obj
+        return TwoRanks.sent
+
+
+def test_only_rank_0_reads_out_for_resume_and_the_others_take_its_split(runs, tiny_ckpt, tmp_path):
+    from cosmos3_batch.config import make_config
+    from cosmos3_batch.pipeline import job
+
+    out = linked_copy(runs["shards"], tmp_path / "copy")
+    more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])
+    cfg = make_config("allgather", None, prompts=str(more), out=out, model=tiny_ckpt)
+    first = job._plan_everywhere(cfg, TwoRanks(0))
+    with pytest.MonkeyPatch.context() as patch:  # rank 1 neither reads OUT nor tokenizes
+        patch.setattr(job, "split_complete", lambda *a: pytest.fail("rank 1 read OUT"))
+        patch.setattr(job, "token_errors", lambda *a: pytest.fail("rank 1 tokenized"))
+        second = job._plan_everywhere(cfg, TwoRanks(1))
+    assert [r.id for r in first.requests] == [r.id for r in second.requests] == ["new"]
+    assert [r.id for r in first.complete] == [r.id for r in second.complete] == [r["id"] for r in ROWS]
+    assert first.invalid == second.invalid == []
+
+
 def test_nested_layout_is_followed_by_resume_report_and_manifest(runs, tiny_ckpt, tmp_path):
     out, prompts = tmp_path / "nested", runs["prompts"]
     assert run(prompts, tiny_ckpt, out, "--layout", "nested").exit_code == 0
