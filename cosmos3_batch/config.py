@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cosmos3_batch.checkpoint.hub import ModelSource, resolve_model
 from cosmos3_batch.engine.transport import OffloadMode, parse_offload
-from cosmos3_batch.io.dataset import FORMATS, LAYOUTS, parse_shard_size
+from cosmos3_batch.io.dataset import FORMATS, LAYOUTS, parse_shard_size, read_record
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.requests.fields import MAX_SAMPLES
@@ -55,7 +55,7 @@ class RunConfig:
     samples_per_prompt: int = 1  # requests naming no "samples" fan out into this many (DESIGN.md §13)
     prompt_column: str | None = None  # table inputs: the column holding the prompt / the id
     id_column: str | None = None
-    format: str = "files"  # files | webdataset (DESIGN.md §12, io/dataset.py)
+    format: str = "files"  # files | webdataset (DESIGN.md §12, io/dataset.py); make_config: --format or OUT's
     layout: str | None = None  # files: flat | nested; None: what OUT holds, else nested above 10k requests
     shard_bytes: int = 10**9  # webdataset: a shard is finalized at this many bytes (0: no byte limit) ...
     shard_samples: int = 0  # ... or at this many samples (0: no sample limit)
@@ -110,6 +110,17 @@ class RunConfig:
             )
 
 
+def held_format(out: Path | None, fmt: str | None, layout: str | None) -> str:
+    """--format as given, else what OUT holds (its dataset.json), else `files`. ValueError for --layout
+    without --format where OUT holds shards (--layout is a files setting)."""
+    if fmt is not None or out is None:
+        return fmt or "files"
+    held = read_record(Path(out))
+    if held is not None and held.format != "files" and layout is not None:
+        raise ValueError(f"--layout applies to --format files only: --out {out} holds {held.format}")
+    return held.format if held is not None else "files"
+
+
 def make_config(
     offload: str,
     shard: str | None,
@@ -128,8 +139,9 @@ def make_config(
         parsed = None if shard is None else parse_shard(shard)
         rule = PrefillRule() if prefill is None else PrefillRule(*prefill)
         source = None if model is None else resolve_model(str(model))
+        flags["format"] = held_format(flags.get("out"), flags.get("format"), flags.get("layout"))
         if shard_size is not None:
-            if flags.get("format", "files") != "webdataset":
+            if flags["format"] != "webdataset":
                 raise ValueError("--shard-size applies to --format webdataset only")
             flags["shard_bytes"], flags["shard_samples"] = parse_shard_size(shard_size)
         return RunConfig(

@@ -150,7 +150,7 @@ def run(
     samples_per_prompt: Annotated[int, typer.Option(help=SAMPLES_HELP)] = 1,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
-    format: cli_data.Format = "files",
+    format: cli_data.Format = None,
     layout: cli_data.Layout = None,
     shard_size: cli_data.ShardSize = None,
 ) -> None:

@@ -10,19 +10,19 @@ from typing import Annotated
 import typer
 
 FORMAT_HELP = (
-    "files: a folder of files per request (default); webdataset: tar shards per rank under "
-    "OUT/shards/<kind>/ (image, video, video-sound, actions, ...; one member set per shard), read by "
-    "webdataset and HF datasets."
+    "files: a folder of files per request; webdataset: tar shards per rank under OUT/shards/<kind>/ "
+    "(image, video, video-sound, actions, ...; one member set per shard), read by webdataset and HF "
+    "datasets. Default: what OUT already holds, else files."
 )
 LAYOUT_HELP = (
     "--format files: flat (every file in OUT) or nested (OUT/<2 hex digits of a hash of the id>/). Default: "
     "what OUT already holds, else nested above 10,000 requests."
 )
 SHARD_SIZE_HELP = (
-    "--format webdataset: finalize a shard at this size: bytes with a unit (1GB, 512MiB; default 1GB) or a "
-    "number of samples (1000)."
+    "--format webdataset (given, or what OUT holds): finalize a shard at this size: bytes with a unit (1GB, "
+    "512MiB; default 1GB) or a number of samples (1000)."
 )
-Format = Annotated[str, typer.Option("--format", help=FORMAT_HELP)]
+Format = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
 Layout = Annotated[str | None, typer.Option(help=LAYOUT_HELP)]
 ShardSize = Annotated[str | None, typer.Option(help=SHARD_SIZE_HELP)]
 Out = Annotated[Path, typer.Argument(help="A run's --out folder (shared by the tasks of a Slurm array).")]
@@ -71,13 +71,11 @@ def status(
     2: OUT holds no run or the input is unreadable."""
     import json
 
-    from cosmos3_batch.io.status import array_counts, dataset_status, describe
+    from cosmos3_batch.io.status import dataset_status, describe
 
     try:
         requests = _requests(input, samples_per_prompt)
-        counts = array_counts(out)
-        task_of = _task_of(counts[-1]) if counts else None
-        report = dataset_status(out, [r.id for r in requests] if requests is not None else None, task_of)
+        report = dataset_status(out, [r.id for r in requests] if requests is not None else None)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -93,11 +91,8 @@ def manifest(
     """(Re)write OUT/manifest.parquet from every rank and array task that wrote to OUT: one row per
     request (with --input, also the pending ones). Columns: docs/outputs.md."""
     from cosmos3_batch.io.manifest import write_manifest
-    from cosmos3_batch.io.metrics import STATE_DIR
 
     try:
-        if not (out / STATE_DIR).is_dir():
-            raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
         path, rows = write_manifest(out, _requests(input, samples_per_prompt) or ())
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -137,9 +132,3 @@ def _requests(paths: list[str] | None, samples: int):
         return load_requests(paths, skip_invalid=True, samples=samples)[0]
     except (RequestFileError, OSError) as exc:
         raise ValueError(f"--input: {exc}") from exc
-
-
-def _task_of(count: int):
-    from cosmos3_batch.plan.schedule import shard_index
-
-    return lambda rid: f"{shard_index(rid, count)}/{count}"

@@ -14,6 +14,8 @@ from datetime import datetime
 from pathlib import Path
 
 from cosmos3_batch.io import dataset
+from cosmos3_batch.io.metrics import STATE_DIR
+from cosmos3_batch.io.outputs import sidecar_stamp
 from cosmos3_batch.io.shard_index import Located, latest_samples, read_indexes
 
 MEDIA_SUFFIXES = ("png", "mp4")
@@ -27,6 +29,7 @@ class Output:
     member: str | None  # webdataset: the media member of the sample
     finished: float  # Unix time it became final: the sidecar's mtime, the shard's finalization
     located: Located | None = None  # webdataset: where its members are
+    stamp: tuple[str, int, int] | None = None  # files: the sidecar's mtime, inode, size (sidecar_stamp)
 
     def read(self, out: Path, suffix: str) -> bytes:
         """A member's bytes (webdataset) or the file `<id>.<suffix>` beside the media (files)."""
@@ -41,26 +44,34 @@ class Output:
         return f"{self.id}.{suffix}" in {entry.get("name") for entry in files if isinstance(entry, dict)}
 
 
-def complete_outputs(out: Path, known: Callable[[str, float], bool] | None = None) -> dict[str, Output]:
-    """Request id -> its complete output, in the format OUT was written in. `known(id, mtime)`: True for a
-    sidecar the caller already has a record of as of that mtime (files format): it is not read, and not
-    returned."""
+def require_run(out: Path) -> None:
+    """ValueError unless a run has written to OUT (for `status` and `manifest`: said, not reported empty)."""
+    if not (out / STATE_DIR).is_dir():
+        raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
+
+
+def complete_outputs(
+    out: Path, known: Callable[[str, tuple], bool] | None = None, indexes: list[dict] | None = None
+) -> dict[str, Output]:
+    """Request id -> its complete output, in the format OUT was written in. `known(id, stamp)`: True for a
+    sidecar the caller already has a record of as of that `outputs.sidecar_stamp` (files format): it is not
+    read, and not returned. `indexes`: the shard indexes (webdataset), when the caller has just read them."""
     held = dataset.of(out)
     if held.format == "webdataset":
-        return _shard_outputs(out)
+        return _shard_outputs(read_indexes(out) if indexes is None else indexes)
     return _file_outputs(out, held.layout, known)
 
 
-def _shard_outputs(out: Path) -> dict[str, Output]:
+def _shard_outputs(indexes: list[dict]) -> dict[str, Output]:
     found = {}
-    for rid, loc in latest_samples(read_indexes(out)).items():
+    for rid, loc in latest_samples(indexes).items():
         media = next((s for s in loc.sample["members"] if s in MEDIA_SUFFIXES), "")
         finished = datetime.fromisoformat(loc.finalized_at).timestamp()
         found[rid] = Output(rid, loc.sample, loc.shard, loc.member(media), finished, loc)
     return found
 
 
-def _file_outputs(out: Path, layout: str, known: Callable[[str, float], bool] | None) -> dict[str, Output]:
+def _file_outputs(out: Path, layout: str, known: Callable[[str, tuple], bool] | None) -> dict[str, Output]:
     folders = [out] if layout == "flat" else sorted(p for p in out.glob("[0-9a-f][0-9a-f]") if p.is_dir())
     found = {}
     for folder in folders:
@@ -68,10 +79,10 @@ def _file_outputs(out: Path, layout: str, known: Callable[[str, float], bool] | 
             names = [e.name for e in entries if e.name.endswith(".json") and not e.name.startswith(".")]
         for name in names:
             try:
-                finished = (folder / name).stat().st_mtime
+                st = (folder / name).stat()
             except OSError:
                 continue
-            if known is not None and known(name.removesuffix(".json"), finished):
+            if known is not None and known(name.removesuffix(".json"), sidecar_stamp(st)):
                 continue
             sidecar = _sidecar(folder / name)
             if sidecar is None or name != f"{sidecar['id']}.json":
@@ -80,7 +91,8 @@ def _file_outputs(out: Path, layout: str, known: Callable[[str, float], bool] | 
             if not media or Path(media).name != media:
                 continue  # never a path out of OUT
             where = folder.relative_to(out) / media
-            found[sidecar["id"]] = Output(sidecar["id"], sidecar, str(where), None, finished)
+            found[sidecar["id"]] = Output(sidecar["id"], sidecar, str(where), None, st.st_mtime, None,
+                                          sidecar_stamp(st))  # fmt: skip
     return found
 
 

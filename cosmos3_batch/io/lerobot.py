@@ -116,12 +116,13 @@ def _reencode(data: bytes, path: Path, fps: float) -> None:
 
 def _write_data(root: Path, episodes: list[Output], actions: list[np.ndarray], tasks: list[str], fps: float):
     width = actions[0].shape[1]
+    task_index = {task: number for number, task in enumerate(tasks)}
     index = 0
     for first in range(0, len(episodes), EPISODES_PER_DATA_FILE):
         columns: dict[str, list] = {k: [] for k in ("action", "timestamp", *INDEX_COLUMNS)}
         for number in range(first, min(first + EPISODES_PER_DATA_FILE, len(episodes))):
             rows = actions[number]
-            task = tasks.index(episodes[number].record["request"]["prompt"])
+            task = task_index[episodes[number].record["request"]["prompt"]]
             for t in range(len(rows)):
                 columns["action"].append(rows[t])
                 columns["timestamp"].append(np.float32(t / fps))

@@ -17,10 +17,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cosmos3_batch.io import dataset
-from cosmos3_batch.io.catalog import Output, complete_outputs
+from cosmos3_batch.io.catalog import Output, complete_outputs, require_run
 from cosmos3_batch.io.metrics import iso_time, latest_rows, merge_lock
 from cosmos3_batch.io.outputs import atomic_write
-from cosmos3_batch.io.shard_index import drop_superseded
+from cosmos3_batch.io.shard_index import drop_superseded, read_indexes
 
 NAME = "manifest.parquet"
 SCHEMA = pa.schema(
@@ -55,9 +55,12 @@ SCHEMA = pa.schema(
         ("write_s", pa.float64()),
         ("finished_at", pa.string()),
         ("error", pa.string()),
+        ("sidecar_inode", pa.int64()),  # files: the sidecar's inode and size when the row was made (with
+        ("sidecar_bytes", pa.int64()),  # finished_at, its mtime: a rerun trusts the row while all three hold)
     ]
 )
 TIMINGS = ("prepare_s", "denoise_s", "decode_s", "write_s")
+STAMP = ("finished_at", "sidecar_inode", "sidecar_bytes")  # files: outputs.sidecar_stamp of the sidecar
 
 
 def write_manifest(
@@ -66,29 +69,34 @@ def write_manifest(
     """Write OUT/manifest.parquet; `requests` (Request objects) fill in the prompt of requests with no output
     and add a `pending` row for those with no record at all. With `tag` (a run's end), this run's shards
     are first rewritten without samples that a newer shard holds again. `rows`: the latest metrics row per
-    id, when the caller has just merged them. Returns (path, rows)."""
+    id, when the caller has just merged them. Returns (path, rows). ValueError if no run wrote to OUT."""
+    require_run(out)
     with merge_lock(out):
+        indexes = None  # the shard indexes, read once for both
         if tag is not None and dataset.of(out).format == "webdataset":
-            drop_superseded(out, tag)
-        table = build_manifest(out, requests, rows)
+            indexes = drop_superseded(out, tag, read_indexes(out))
+        table = build_manifest(out, requests, rows, indexes)
         atomic_write(out / NAME, lambda tmp: pq.write_table(table, tmp))
     return out / NAME, table.num_rows
 
 
-def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table:
+def build_manifest(
+    out: Path, requests=(), rows: dict | None = None, indexes: list[dict] | None = None
+) -> pa.Table:
     """The rows. A complete output's row of the previous manifest.parquet is kept when its sidecar has not
-    changed since (same mtime): a rerun over 100,000 complete requests stats their sidecars, reads none."""
+    changed since (same mtime, inode and size): a rerun over 100,000 complete requests stats their
+    sidecars, reads none. `indexes`: the shard indexes as the caller just read them (webdataset)."""
     fmt = dataset.of(out).format
     previous, recorded = _previous(out, fmt)
     reused: set[str] = set()
 
-    def unchanged(rid: str, mtime: float) -> bool:
-        if recorded.get(rid) == iso_time(mtime):
+    def unchanged(rid: str, stamp: tuple) -> bool:
+        if recorded.get(rid) == stamp:
             reused.add(rid)
             return True
         return False
 
-    done = complete_outputs(out, unchanged)
+    done = complete_outputs(out, unchanged, indexes)
     rows = latest_rows(out, warn=False) if rows is None else rows
     known = {r.id: r for r in requests}
     records = []
@@ -104,27 +112,27 @@ def build_manifest(out: Path, requests=(), rows: dict | None = None) -> pa.Table
     return table
 
 
-def recorded_sidecars(out: Path) -> dict[str, tuple[str, dict]]:
-    """id -> (its sidecar's mtime as recorded, what resume checks of it), from the last manifest.parquet
-    (files format): `outputs.is_complete` uses it while the sidecar's mtime is unchanged."""
+def recorded_sidecars(out: Path) -> dict[str, tuple[tuple, dict]]:
+    """id -> (its sidecar's stamp as recorded: mtime, inode, size; what resume checks of it), from the last
+    manifest.parquet (files format): `outputs.is_complete` uses it while the sidecar's stamp is unchanged."""
     if dataset.of(out).format != "files":
         return {}
     try:
-        columns = ["id", "status", "request_hash", "output_key", "files", "finished_at"]
+        columns = ["id", "status", "request_hash", "output_key", "files", *STAMP]
         table = pq.read_table(out / NAME, columns=columns).to_pydict()
     except (OSError, pa.ArrowException, KeyError):
         return {}
     found = {}
-    for rid, status, content, key, files, finished in zip(*(table[c] for c in columns), strict=True):
-        if status == "ok" and files and finished:
+    for rid, status, content, key, files, *stamp in zip(*(table[c] for c in columns), strict=True):
+        if status == "ok" and files and None not in stamp:
             sidecar = {"status": "complete", "request_hash": content, "output_key": key}
-            found[rid] = (finished, {**sidecar, "files": json.loads(files)})
+            found[rid] = (tuple(stamp), {**sidecar, "files": json.loads(files)})
     return found
 
 
 def _previous(out: Path, fmt: str) -> tuple[pa.Table | None, dict[str, str]]:
-    """The manifest written before, and id -> `finished_at` (its sidecar's mtime) of each complete output
-    in it (files format: those rows are reused while their sidecars are unchanged)."""
+    """The manifest written before, and id -> its sidecar's stamp (`finished_at`, inode, size) of each
+    complete output in it (files format: those rows are reused while their sidecars are unchanged)."""
     if fmt != "files":
         return None, {}
     try:
@@ -133,11 +141,11 @@ def _previous(out: Path, fmt: str) -> tuple[pa.Table | None, dict[str, str]]:
         return None, {}
     if table.schema != SCHEMA:
         return None, {}
-    columns = table.select(["id", "status", "path", "finished_at"]).to_pydict()
+    columns = table.select(["id", "status", "path", *STAMP]).to_pydict()
     recorded = {
-        rid: finished
-        for rid, status, path, finished in zip(*columns.values(), strict=True)
-        if status == "ok" and path and finished
+        rid: tuple(stamp)
+        for rid, status, path, *stamp in zip(*columns.values(), strict=True)
+        if status == "ok" and path and None not in stamp
     }
     return table, recorded
 
@@ -167,6 +175,7 @@ def _complete(output: Output, row: dict | None, fmt: str) -> dict:
         **{k: _number(timings.get(k), float) for k in TIMINGS},
         "finished_at": iso_time(output.finished),
         "error": None,
+        **dict(zip(STAMP[1:], output.stamp[1:] if output.stamp else (None, None), strict=True)),
     }
 
 

@@ -16,10 +16,11 @@ import io
 import logging
 import os
 import re
-from datetime import UTC, datetime
 from pathlib import Path
 
-from cosmos3_batch.io.outputs import atomic_write
+from cosmos3_batch.io.outputs import atomic_write, iso_time
+
+__all__ = ["iso_time"]  # defined beside the sidecars it dates (outputs.py); imported from here too
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -67,11 +68,6 @@ def state_dir(out_dir: Path) -> Path:
                 old.replace(path / old.name.removeprefix("."))
     (out_dir / ".metrics.lock").unlink(missing_ok=True)
     return path
-
-
-def iso_time(seconds: float) -> str:
-    """A Unix time as ISO-8601 UTC with microseconds: readable, and sorts as text in time order."""
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="microseconds")
 
 
 class MetricsWriter:

@@ -15,6 +15,7 @@ import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -319,12 +320,13 @@ def is_complete(
     output_key: str,
     need_latents: bool,
     required: tuple[str, ...] = (),
-    recorded: tuple[str, dict] | None = None,
+    recorded: tuple[tuple, dict] | None = None,
 ) -> tuple[bool, str]:
     """(complete, why not). Complete = the sidecar says so, for this request, model and decode settings,
     with every file it lists present at its recorded size (and latents when they are asked for).
-    `recorded`: (the sidecar's mtime, its content) as the last manifest.parquet read them: used instead of
-    reading the sidecar while its mtime is still that one (a rerun over 100,000 outputs stats them)."""
+    `recorded`: (the sidecar's `sidecar_stamp`, its content) as the last manifest.parquet has them: used
+    instead of reading the sidecar while its stamp is still that one (a rerun over 100,000 outputs stats
+    them)."""
     sidecar = _sidecar_now(paths.sidecar, recorded)
     if sidecar is None:
         return False, "no readable sidecar"
@@ -358,15 +360,24 @@ def is_complete(
     return True, ""
 
 
-def _sidecar_now(path: Path, recorded: tuple[str, dict] | None) -> dict | None:
-    if recorded is not None:
-        from datetime import UTC, datetime
+def sidecar_stamp(st: os.stat_result) -> tuple[str, int, int]:
+    """What says a sidecar is the one the manifest recorded: its mtime, inode and size (every write of a
+    sidecar is a rename, so a new one has a new inode even when the mtime is set back)."""
+    return iso_time(st.st_mtime), st.st_ino, st.st_size
 
+
+def iso_time(seconds: float) -> str:
+    """A Unix time as ISO-8601 UTC with microseconds: readable, and sorts as text in time order."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="microseconds")
+
+
+def _sidecar_now(path: Path, recorded: tuple[tuple, dict] | None) -> dict | None:
+    if recorded is not None:
         try:
-            mtime = os.stat(path).st_mtime
+            stamp = sidecar_stamp(os.stat(path))
         except OSError:
             return None
-        if datetime.fromtimestamp(mtime, UTC).isoformat(timespec="microseconds") == recorded[0]:
+        if stamp == recorded[0]:
             return recorded[1]
     try:
         sidecar = json.loads(path.read_text())

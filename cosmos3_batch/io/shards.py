@@ -10,9 +10,10 @@ A shard is written under a hidden temporary name (`.<name>.<pid>.tar.tmp`) and b
 finalized: the tar's end blocks written, fsynced, its index written atomically
 (OUT/.cosmos3_batch/shards/<kind>/<name>.json), then renamed to `[TAG-]rankR-NNNNNN.tar` and the folder
 fsynced. A killed run leaves only the temporary,
-which the next run of the same tag deletes; its samples are generated again. Resume and `status` read the
-indexes (one small file per shard), never the members. An index without its tar (a crash between the two
-renames) is ignored.
+which the next run of the same tag deletes; its samples are generated again (unless the kill came after
+the index was written: that index records the temporary, and the next run finishes the rename). Resume and
+`status` read the indexes (one small file per shard), never the members. An index without its tar is
+ignored.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class ShardWriter:
                 info.size, info.mtime, info.mode = path.stat().st_size, int(time.time()), 0o644
                 with open(path, "rb") as f:
                     shard.tar.addfile(info, f)
+                shard.tar.members.clear()  # addfile keeps every header: a writer's memory must not grow
                 offsets[suffix] = [shard.tar.offset - padded_size(info.size), info.size]
             entry = {"sample": {**sample, "key": key, "members": offsets}, "row": row}
             shard.journal.write(json.dumps(entry, separators=(",", ":")) + "\n")

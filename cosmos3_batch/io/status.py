@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from cosmos3_batch.io import dataset
-from cosmos3_batch.io.catalog import complete_outputs
+from cosmos3_batch.io.catalog import complete_outputs, require_run
 from cosmos3_batch.io.metrics import STATE_DIR, latest_rows
+from cosmos3_batch.requests.parse import shard_index
 
 STATES = ("done", "failed", "interrupted", "pending")
 WINDOW_S = 3600.0
 
 
-def dataset_status(
-    out: Path,
-    ids: Iterable[str] | None = None,
-    task_of: Callable[[str], str] | None = None,
-    now: float | None = None,
-) -> dict:
-    """The counts, the rate and the ETA; `ids`: the input's request ids (pending needs them); `task_of`:
-    request id -> its array task ("I/N"), for the per-task counts. ValueError if OUT holds no run."""
-    if not (out / STATE_DIR).is_dir():
-        raise ValueError(f"{out}: no run has written here (no {STATE_DIR}/ folder)")
+def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | None = None) -> dict:
+    """The counts, the rate and the ETA; `ids`: the input's request ids (pending needs them). With array
+    tasks (`--shard I/N` runs wrote to OUT), also the counts per task of the latest N. ValueError if OUT
+    holds no run."""
+    require_run(out)
     now = time.time() if now is None else now
     done = complete_outputs(out)
     rows = latest_rows(out, warn=False)
@@ -52,10 +48,11 @@ def dataset_status(
         "eta_hours": 0.0 if not left else (left / per_hour if per_hour > 0 else None),
         "all_done": counts["done"] == len(known) and len(known) > 0,
     }
-    if task_of is not None:
+    if arrays := array_counts(out):
+        count = arrays[-1]  # of several N (an array resubmitted with another COUNT): the largest one's slices
         tasks: dict[str, Counter] = {}
         for rid, value in state.items():
-            tasks.setdefault(task_of(rid), Counter())[value] += 1
+            tasks.setdefault(f"{shard_index(rid, count)}/{count}", Counter())[value] += 1
         report["array_tasks"] = {
             task: {name: tally[name] for name in STATES}
             for task, tally in sorted(tasks.items(), key=_task_order)

@@ -78,6 +78,15 @@ class World:
         dist.all_gather_object(out, obj, group=self.main_group)
         return out
 
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank (the others pass None): one collective, whose bytes do not grow with
+        the world as an all-gather's do."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.main_group)
+        return box[0]
+
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
     """'auto' takes the GPU of this rank's LOCAL_RANK when CUDA exists, else the CPU; 'cuda:N' GPU N for

@@ -40,7 +40,7 @@ from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
 from cosmos3_batch.pipeline.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job_plan import Plan
 from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
-from cosmos3_batch.pipeline.resume import prepare_out, split_complete
+from cosmos3_batch.pipeline.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import preview, rank_report
@@ -82,8 +82,10 @@ def token_errors(requests: list[Request], helper, model_limit: int) -> list[Requ
     return errors
 
 
-def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) -> Plan:
-    """`stdin`: the bytes of standard input when PROMPTS names "-" (read once, by rank 0)."""
+def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, resume: bool = True) -> Plan:
+    """`stdin`: the bytes of standard input when PROMPTS names "-" (read once, by rank 0). `resume=False`
+    (ranks other than 0): OUT is neither read nor checked and nothing is tokenized: the plan holds all of
+    this job's requests, and `resume.share_split` splits them as rank 0 did."""
     from cosmos3_batch.model.tiny import ensure_default_tiny
 
     model_dir = cfg.model if cfg.model is not None else ensure_default_tiny()
@@ -116,6 +118,8 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None) ->
         raise BadInput(str(exc)) from exc
     mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
     identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
+    if not resume:
+        return Plan(Path(model_dir), mine, invalid, [], tokenizer, identity, held)
     todo, complete = split_complete(cfg, mine, identity, held)
     # Complete outputs were made from these very prompts by this model: their tokens need no second look
     # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
@@ -324,8 +328,9 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
     stdin = None
     if STDIN in cfg.prompts:  # rank 0 reads it; under torchrun the others must not race it for the bytes
         stdin = world.all_gather_object(sys.stdin.buffer.read() if world.is_main else None)[0]
-    # Also checks --sp against the heads and the ranks, and the room on --out (a live figure: agreed).
-    plan = _agreed(world, lambda: plan_run(cfg, world.world_size, stdin))
+    # Also checks --sp against the heads and the ranks; rank 0 also --out and its room (a live figure).
+    plan = _agreed(world, lambda: plan_run(cfg, world.world_size, stdin, resume=world.is_main))
+    plan = share_split(world, plan)
     if world.is_main:
         state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
         if stale := prepare_out(cfg, plan.dataset, plan.requests):

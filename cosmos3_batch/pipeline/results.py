@@ -16,6 +16,7 @@ import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.audio import write_wav_file
+from cosmos3_batch.io.catalog import complete_outputs
 from cosmos3_batch.io.ffmpeg import EncoderInterrupted
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
@@ -150,56 +151,31 @@ class ResultWriter:
 
     def recover_rows(self, complete: list[Request]) -> int:
         """A metrics row for each complete output that has none: a crash (or a full disk) between its sidecar
-        and its row. Taken from the sidecar, so metrics.csv still holds one ok row per output."""
+        (or its shard) and its row. Taken from the sidecar or the shard index, so metrics.csv still holds one
+        ok row per output."""
         have = ids_with_ok_rows(self.cfg.out)
-        missing = [r for r in complete if r.id not in have]
-        located = self._located() if missing and self.shards is not None else {}
+        missing = {r.id: r for r in complete if r.id not in have}
+        if not missing:
+            return 0
+        found = complete_outputs(self.cfg.out, lambda rid, _: rid not in missing)  # reads only those
         recovered = 0
-        for r in missing:
-            found = self._record(r, located)
-            if found is None:
+        for rid, r in missing.items():
+            if (output := found.get(rid)) is None:
                 continue
-            sidecar, finished, output = found
-            timings = sidecar.get("timings") or {}
+            timings = output.record.get("timings") or {}
             fields = {k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")}
             fields.update(kind=r.kind, width=r.width, height=r.height, num_frames=r.num_frames, seed=r.seed)
             fields.update(steps=r.num_inference_steps, guidance=r.guidance_scale)
-            fields.update(tokens=sidecar.get("tokens"))
-            fields.update(rank=self.rank, finished_at=iso_time(finished), output=output)
+            fields.update(tokens=output.record.get("tokens"), rank=self.rank)
+            fields.update(finished_at=iso_time(output.finished))
+            fields.update(output=f"{output.path}/{output.member}" if output.member else output.path)
             try:
-                self.metrics.row(id=r.id, status="ok", **fields)
+                self.metrics.row(id=rid, status="ok", **fields)
             except OSError as exc:  # still no room: the next run tries again
                 log.warning("cannot recover metrics rows: %s", exc)
                 break
             recovered += 1
         return recovered
-
-    def _located(self) -> dict:
-        from cosmos3_batch.io.shard_index import latest_samples, read_indexes
-
-        return latest_samples(read_indexes(self.cfg.out))
-
-    def _record(self, r: Request, located: dict) -> tuple[dict, float, str] | None:
-        """(its sidecar, when it was finished, its output) of a complete request."""
-        if self.shards is not None:
-            found = located.get(r.id)
-            if found is None:
-                return None
-            from datetime import datetime
-
-            finished = datetime.fromisoformat(found.finalized_at).timestamp()
-            media = next(iter(found.sample["members"]))
-            return found.sample, finished, f"{found.shard}/{found.member(media)}"
-        paths = outputs.paths_for(self.cfg.out, r.id, r.num_frames, self.layout)
-        try:
-            sidecar = json.loads(paths.sidecar.read_text())
-            return (
-                sidecar,
-                paths.sidecar.stat().st_mtime,
-                str(paths.media.relative_to(self.cfg.out.resolve())),
-            )
-        except (OSError, ValueError):
-            return None
 
     def _disk_full(self, code: int, exc: BaseException) -> None:
         where = getattr(exc, "filename", None) or self.cfg.out

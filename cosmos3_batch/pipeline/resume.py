@@ -1,4 +1,5 @@
-"""Resume (DESIGN.md §6, §12): which requests an earlier run already completed, in the dataset's format.
+"""Resume (DESIGN.md §6, §12): which requests an earlier run already completed, in the dataset's format
+(found by rank 0 and handed to the other ranks).
 
 `files`: each request's sidecar and the files it lists (flat or nested layout). `webdataset`: the indexes
 of the finalized shards, one small file per shard, never the members.
@@ -7,12 +8,21 @@ of the finalized shards, one small file per shard, never the members.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.dataset import Dataset, write_record
 from cosmos3_batch.io.manifest import recorded_sidecars
-from cosmos3_batch.io.shard_index import latest_samples, read_indexes, remove_stale, sample_complete
+from cosmos3_batch.io.shard_index import (
+    finish_renames,
+    latest_samples,
+    read_indexes,
+    remove_stale,
+    sample_complete,
+)
+from cosmos3_batch.parallel.world import World
+from cosmos3_batch.pipeline.job_plan import Plan
 from cosmos3_batch.pipeline.results import output_key
 from cosmos3_batch.requests.parse import Request
 
@@ -24,6 +34,8 @@ def split_complete(
 ) -> tuple[list[Request], list[Request]]:
     """(to generate, already complete); with --overwrite everything is generated again."""
     shards = dataset.format == "webdataset"
+    if shards:  # a shard whose rename a kill interrupted counts: its samples are not generated again
+        finish_renames(cfg.out, cfg.tag)
     located = latest_samples(read_indexes(cfg.out)) if shards else {}
     recorded = {} if shards or cfg.overwrite else recorded_sidecars(cfg.out)
     todo, complete = [], []
@@ -48,6 +60,26 @@ def split_complete(
             log.warning("%s: %s; generating it again", r.id, why)
         todo.append(r)
     return todo, complete
+
+
+def share_split(world: World, plan: Plan) -> Plan:
+    """Rank 0 alone read OUT for resume (every shard index or sidecar: once, not once per rank) and tokenized
+    what is left (`plan_run(resume=True)`); one broadcast hands its split to the other ranks, whose plans
+    hold all of the job's requests (`job._check_same_plan` then compares the results)."""
+    if not world.distributed:
+        return plan
+    split = None
+    if world.is_main:  # ids hold no newline (requests/fields.py): one string each, not a million objects
+        split = ("\n".join(r.id for r in plan.requests), "\n".join(r.id for r in plan.complete), plan.invalid)
+    todo, complete, invalid = world.broadcast_object(split)
+    if world.is_main:
+        return plan
+    todo, complete = set(todo.split("\n")), set(complete.split("\n"))
+    mine = plan.requests
+    return replace(
+        plan, requests=[r for r in mine if r.id in todo], complete=[r for r in mine if r.id in complete],
+        invalid=invalid,
+    )  # fmt: skip
 
 
 def prepare_out(cfg: RunConfig, held: Dataset, requests: list[Request]) -> int:

@@ -5,14 +5,13 @@ Pure: no torch, no torch.distributed. Every rank computes the same assignment fr
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from cosmos3_batch.requests.parse import Request
+from cosmos3_batch.requests.parse import Request, shard_index
 
 LATENT_PIXELS = 16  # VAE spatial compression
 PATCH = 2  # latent patch size of the transformer
@@ -116,12 +115,6 @@ def in_shard(request_id: str, index: int, count: int) -> bool:
     """Shards split by a hash of the id: disjoint, their union is the file, and a request stays in its
     shard when other lines are added, removed or fixed (so an array job can be resubmitted safely)."""
     return shard_index(request_id, count) == index
-
-
-def shard_index(request_id: str, count: int) -> int:
-    """The --shard INDEX/COUNT slice a request belongs to."""
-    digest = hashlib.sha256(request_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % count
 
 
 def describe(assignment: Assignment) -> str:

@@ -44,6 +44,62 @@ class Simulation:
         return asdict(self)
 
 
+class _Totals:
+    """The per-pass sums of `RankSlots.report`, kept as running totals (see `simulate`): requests active and
+    slots starved, per rank and over all ranks; the first pass of each current starvation; the ranks whose
+    requests take their last step on each pass; and the active requests summed over the passes."""
+
+    def __init__(self, world: int, max_active: int):
+        self.max_active = max_active
+        self.active = [0] * world  # requests active per rank
+        self.starved = [0] * world  # free slots with nothing prefilled while requests are queued, per rank
+        self.total_active = self.total_starved = self.active_sum = 0
+        self.finishing: dict[int, list[int]] = {}  # pass -> ranks of requests taking their last step in it
+        self.starving_since: deque[int] = deque()  # first pass of each current starvation, oldest first
+
+    def activate(self, rank: int, jobs, now: int) -> None:
+        for steps, _ in jobs:
+            self.finishing.setdefault(now + steps - 1, []).append(rank)
+            self.active_sum += steps  # active on this pass and each of its remaining steps
+        self.active[rank] += len(jobs)
+        self.total_active += len(jobs)
+
+    def settle(self, rank: int, queued: bool, now: int) -> None:
+        """After a rank's free slots took what was ready: they starve if requests are still queued."""
+        starved = self.max_active - self.active[rank] if queued else 0
+        if starved and not self.starved[rank]:
+            self.starving_since.append(now)
+        self.total_starved += starved - self.starved[rank]
+        self.starved[rank] = starved
+
+    def overdue(self, now: int, max_wait: int) -> int:
+        """1 if the oldest starved slot, waiting `now - since + 1` passes, is past max_wait."""
+        return int(bool(self.starving_since) and now - self.starving_since[0] + 1 > max_wait)
+
+    def admit(self, slots: list[RankSlots], now: int) -> tuple[int, int]:
+        """A UND pass: every rank admits into its free slots (the rest of the prefilled become ready), so
+        none starves after it. Returns (requests admitted now, branches prefilled)."""
+        admitted = branches = 0
+        for rank, s in enumerate(slots):
+            started, later = s.admissions(self.active[rank])
+            self.activate(rank, [(r.steps, r.branches) for r in started], now)
+            s.ready.extend((r.steps, r.branches) for r in later)
+            admitted += len(started)
+            branches += sum(r.branches for r in started) + sum(r.branches for r in later)
+        self.starved = [0] * len(self.starved)  # every free slot was filled, or the queue ran dry
+        self.total_starved = 0
+        self.starving_since.clear()
+        return admitted, branches
+
+    def finish(self, now: int) -> list[int]:
+        """The ranks (once per request) whose requests took their last step on pass `now`."""
+        done = self.finishing.pop(now, [])
+        for rank in done:
+            self.active[rank] -= 1
+        self.total_active -= len(done)
+        return done
+
+
 def simulate(
     queues: list[list[SimRequest]],
     max_active: int,
@@ -58,64 +114,36 @@ def simulate(
     Event-driven, so that 1M requests at 512 ranks take seconds, not minutes: a pass touches only the ranks
     whose requests finished on the pass before (they take prefilled requests into their free slots, the
     `RankSlots` code the runner runs), and on a UND pass every rank (admissions). The per-pass sums of
-    `RankSlots.report` are kept as running totals: a rank's free slots, queue and ready list change only at
-    those events, and a starved rank stays starved until the next UND pass (its slots can be filled only
-    by admissions), so its wait is the passes since its starvation began. Equal to the pass-by-pass replay
-    (tests/unit/test_simulator.py holds both on random queues)."""
+    `RankSlots.report` are kept as running totals (`_Totals`): a rank's free slots, queue and ready list
+    change only at those events, and a starved rank stays starved until the next UND pass (its slots can be
+    filled only by admissions), so its wait is the passes since its starvation began. Equal to the
+    pass-by-pass replay (tests/unit/test_simulator.py holds both on random queues)."""
     world = len(queues)
     rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
-    active = [0] * world  # requests active per rank
-    starved = [0] * world  # free slots with nothing prefilled while requests are queued, per rank
-    finishing: dict[int, list[int]] = {}  # pass -> ranks of the requests that take their last step in it
-    starving_since: deque[int] = deque()  # first pass of each current starvation, oldest first
-    total_active = total_starved = 0
+    totals = _Totals(world, max_active)
     pending = sum(len(q) for q in queues)
-    passes = und_passes = active_sum = prefilled = outputs = 0
+    passes = und_passes = prefilled = outputs = 0
     touched = list(range(world))  # ranks whose requests finished on the pass before (at first: all)
-
-    def activate(rank: int, jobs, now: int) -> None:
-        nonlocal total_active, active_sum
-        for steps, _ in jobs:
-            finishing.setdefault(now + steps - 1, []).append(rank)
-            active_sum += steps  # active on this pass and each of its remaining steps
-        active[rank] += len(jobs)
-        total_active += len(jobs)
-
     while True:
         for rank in touched:  # their freed slots take prefilled requests, or starve
-            s = slots[rank]
-            ready = s.take_ready(active[rank])
+            ready = slots[rank].take_ready(totals.active[rank])
             pending -= len(ready)
-            activate(rank, ready, passes)
-            now_starved = max_active - active[rank] if s.queue else 0
-            if now_starved and not starved[rank]:
-                starving_since.append(passes)
-            total_starved += now_starved - starved[rank]
-            starved[rank] = now_starved
-        if total_active == 0 and pending == 0:
+            totals.activate(rank, ready, passes)
+            totals.settle(rank, bool(slots[rank].queue), passes)
+        if totals.total_active == 0 and pending == 0:
             break
-        # The oldest starved slot has waited passes - since + 1 passes: overdue past max_wait.
-        overdue = int(bool(starving_since) and passes - starving_since[0] + 1 > rule.max_wait)
-        und = und_pass(rule, world * max_active, total_active, total_starved, overdue)
-        und = und or (not und_cache and total_active > 0)
+        overdue = totals.overdue(passes, rule.max_wait)
+        und = und_pass(rule, world * max_active, totals.total_active, totals.total_starved, overdue)
+        und = und or (not und_cache and totals.total_active > 0)
         if und:
-            for rank, s in enumerate(slots):
-                now, later = s.admissions(active[rank])
-                pending -= len(now)
-                activate(rank, [(r.steps, r.branches) for r in now], passes)
-                s.ready.extend((r.steps, r.branches) for r in later)
-                prefilled += sum(r.branches for r in now) + sum(r.branches for r in later)
-                starved[rank] = 0  # every free slot was filled, or the queue ran dry
-            total_starved = 0
-            starving_since.clear()
+            admitted, branches = totals.admit(slots, passes)
+            pending -= admitted
+            prefilled += branches
         passes += 1
         und_passes += und
-        touched = finishing.pop(passes - 1, [])
+        touched = totals.finish(passes - 1)
         outputs += len(touched)
-        for rank in touched:
-            active[rank] -= 1
-        total_active -= len(touched)
         touched = sorted(set(touched))
     if not und_cache:  # the ablation recomputes every active branch's UND half every step
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
@@ -125,7 +153,7 @@ def simulate(
         passes=passes,
         und_passes=und_passes,
         outputs=outputs,
-        occupancy=active_sum / (passes * world * max_active) if passes else 0.0,
+        occupancy=totals.active_sum / (passes * world * max_active) if passes else 0.0,
         bytes_per_rank=per_rank,
         bytes_per_output=moved / outputs if outputs else 0.0,
         und_byte_share=und_passes * part_bytes.und / per_rank if per_rank else 0.0,

@@ -133,6 +133,13 @@ def derive_seed(request_id: str) -> int:
     return int.from_bytes(digest[:8], "big") & MAX_SEED
 
 
+def shard_index(request_id: str, count: int) -> int:
+    """The --shard INDEX/COUNT slice a request belongs to (by a hash of its id: the slice holds when other
+    lines change). Here, below plan/ and io/, because both the schedule and `status` ask it."""
+    digest = hashlib.sha256(request_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % count
+
+
 def parse_lines(
     lines: Iterable[bytes],
     source: str = "<input>",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -129,27 +130,50 @@ def test_manifest_is_read_by_pandas_and_hf_datasets(runs):
         assert hf.num_rows == len(IDS) and hf[0]["id"] == IDS[0]
 
 
+def linked_copy(src: Path, dst: Path) -> Path:
+    """A copy of a run's OUT whose files keep their inodes (hard links: the manifest and the shard indexes
+    recorded them); the part files a run appends to are copied, and every other file is replaced by a
+    rename, so nothing of `src` changes."""
+    shutil.copytree(src, dst, copy_function=os.link)
+    for part in (dst / ".cosmos3_batch").glob("*.csv"):
+        part.unlink()
+        shutil.copy2(src / ".cosmos3_batch" / part.name, part)
+    return dst
+
+
+def rewrite_keeping_mtime(path: Path, text: str) -> None:
+    """A new file renamed over `path` (as every writer of ours writes), with the old one's mtime."""
+    st = path.stat()
+    new = path.with_name(f".{path.name}.new")
+    new.write_text(text)
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+
+
 def test_a_rerun_manifest_reuses_the_rows_of_unchanged_sidecars(runs, monkeypatch, tmp_path):
     from cosmos3_batch.io import catalog
     from cosmos3_batch.io.manifest import build_manifest
 
-    out = tmp_path / "copy"
-    shutil.copytree(runs["files"], out)  # copy2 keeps the mtimes the manifest recorded
+    out = linked_copy(runs["files"], tmp_path / "copy")
     read = []
     real = catalog._sidecar
     monkeypatch.setattr(catalog, "_sidecar", lambda path: read.append(path.name) or real(path))
     again = build_manifest(out)
-    assert read == ["summary.json"]  # no request's sidecar read: each row reused by its mtime
+    assert read == ["summary.json"]  # no request's sidecar read: each row reused by its stamp
     assert again.equals(pq.read_table(out / "manifest.parquet"))
-    (out / "d1.json").touch()  # a changed sidecar is read again
+    # A changed sidecar is read again, even with the mtime set back: a rewrite is a rename (another inode).
+    rewrite_keeping_mtime(out / "d2.json", (out / "d2.json").read_text())
     read.clear()
     build_manifest(out)
-    assert sorted(read) == ["d1.json", "summary.json"]
+    assert sorted(read) == ["d2.json", "summary.json"]
 
 
 def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs, tiny_ckpt, tmp_path):
-    out = tmp_path / "copy"
-    shutil.copytree(runs["files"], out)  # copy2: the sidecars keep the mtimes the manifest recorded
+    out = linked_copy(runs["files"], tmp_path / "copy")
+    # d2's sidecar replaced (a rename) by one of another request, of the same size, its mtime set back.
+    other = json.loads((out / "d2.json").read_text()) | {"request_hash": "0" * 64}
+    other = json.dumps(other, indent=2, sort_keys=True) + "\n"  # as outputs.write_json writes it
+    assert len(other) == (out / "d2.json").stat().st_size
     sidecars = {f"{rid}.json" for rid in IDS}
     read: list[str] = []
     real = Path.read_text
@@ -164,18 +188,26 @@ def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs
         assert f"{len(IDS)} already complete" in run(runs["prompts"], tiny_ckpt, out).output
         assert read == []  # every sidecar unchanged since the manifest: its recorded content is used
         (out / "d1.png").unlink()  # ... and every file it lists is still checked on disk
-        (out / "d2.json").touch()  # a sidecar changed since: read again
+        rewrite_keeping_mtime(out / "d2.json", other)  # a sidecar changed since: read again (another inode)
         again = run(runs["prompts"], tiny_ckpt, out)
-    assert f"1 generated, 0 failed, {len(IDS) - 1} already complete" in again.output
-    # d2's changed sidecar: read by the resume check and by the manifest; d1's new one: by the manifest only.
+    assert f"2 generated, 0 failed, {len(IDS) - 2} already complete" in again.output
+    # d2's changed sidecar: read by the resume check; d1's and d2's new ones: by the manifest.
     assert sorted(read) == ["d1.json", "d2.json", "d2.json"]
     assert (out / "d1.png").read_bytes() == (runs["files"] / "d1.png").read_bytes()
+    assert (out / "d2.mp4").read_bytes() == (runs["files"] / "d2.mp4").read_bytes()
 
 
 def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp_path):
     out, prompts = runs["shards"], runs["prompts"]
-    again = run(prompts, tiny_ckpt, out, "--format", "webdataset")
-    assert f"0 generated, 0 failed, {len(IDS)} already complete" in again.output
+    # A kill between a shard's index and its rename: the index records the temporary (the same inode).
+    shard = Path(tars(out, "video-latents")[0])
+    shard.rename(shard.with_name(f".{shard.stem}.999.tar.tmp"))
+    # No --format: the rerun follows what OUT holds (and takes --shard-size); the rename is finished first.
+    again = run(prompts, tiny_ckpt, out, "--shard-size", "2")
+    assert f"0 generated, 0 failed, {len(IDS)} already complete" in again.output, again.output
+    assert tars(out, "video-latents")[0] == str(shard) and not list(shard.parent.glob(".*"))
+    layout = invoke("run", prompts, "--out", out, "--layout", "nested")  # a files setting: refused
+    assert layout.exit_code == 2 and "--layout applies to --format files only" in layout.output
     status = invoke("status", out, "--json")
     assert status.exit_code == 0 and json.loads(status.output)["done"] == len(IDS)
     more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])
@@ -187,6 +219,66 @@ def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp
     keys = [s["__key__"] for kind in KINDS for s in wds.WebDataset(tars(out, kind), shardshuffle=False)]
     assert sorted(keys) == sorted(i.replace(".", "%2E") for i in IDS)
     assert sum(len(i["samples"]) for i in read_indexes(out)) == len(IDS)
+
+
+def test_lost_metrics_rows_are_recovered_naming_the_media(runs, tmp_path):
+    from cosmos3_batch.config import RunConfig
+    from cosmos3_batch.io import dataset
+    from cosmos3_batch.io.metrics import MetricsWriter, read_part
+    from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
+    from cosmos3_batch.requests.parse import load_requests
+
+    requests = load_requests(str(runs["prompts"]))[0]
+    for fmt in ("files", "shards"):
+        out = tmp_path / fmt
+        linked_copy(runs[fmt], out)
+        for part in (out / ".cosmos3_batch").glob("metrics.*rank*.csv"):
+            part.unlink()  # every row lost (a crash after the outputs were final)
+        metrics = MetricsWriter(out, rank=0)
+        cfg = RunConfig(prompts=("-",), out=out)
+        shards = shard_writer(cfg, dataset.of(out), 0)
+        writer = ResultWriter(cfg, Path("model"), metrics, "identity", shards=shards)
+        assert writer.recover_rows(requests) == len(IDS)
+        metrics.close()
+        frame = pd.read_parquet(out / "manifest.parquet")
+        media = {r.id: r.path + (f"/{r.member}" if fmt == "shards" else "") for r in frame.itertuples()}
+        assert {row["id"]: row["output"] for row in read_part(metrics.path)[0]} == media
+        assert all(Path(path).suffix in (".png", ".mp4") for path in media.values())
+
+
+class TwoRanks:
+    """The collectives `_plan_everywhere` issues, for one rank of a world of two run one after the other:
+    rank 0's broadcast is kept for rank 1; gathers return this rank's object twice."""
+
+    sent: object = None
+
+    def __init__(self, rank: int):
+        self.rank, self.world_size, self.distributed, self.is_main = rank, 2, True, rank == 0
+
+    def all_gather_object(self, obj) -> list:
+        return [obj, obj]
+
+    def broadcast_object(self, obj):
+        if self.is_main:
+            TwoRanks.sent = obj
+        return TwoRanks.sent
+
+
+def test_only_rank_0_reads_out_for_resume_and_the_others_take_its_split(runs, tiny_ckpt, tmp_path):
+    from cosmos3_batch.config import make_config
+    from cosmos3_batch.pipeline import job
+
+    out = linked_copy(runs["shards"], tmp_path / "copy")
+    more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])
+    cfg = make_config("allgather", None, prompts=str(more), out=out, model=tiny_ckpt)
+    first = job._plan_everywhere(cfg, TwoRanks(0))
+    with pytest.MonkeyPatch.context() as patch:  # rank 1 neither reads OUT nor tokenizes
+        patch.setattr(job, "split_complete", lambda *a: pytest.fail("rank 1 read OUT"))
+        patch.setattr(job, "token_errors", lambda *a: pytest.fail("rank 1 tokenized"))
+        second = job._plan_everywhere(cfg, TwoRanks(1))
+    assert [r.id for r in first.requests] == [r.id for r in second.requests] == ["new"]
+    assert [r.id for r in first.complete] == [r.id for r in second.complete] == [r["id"] for r in ROWS]
+    assert first.invalid == second.invalid == []
 
 
 def test_nested_layout_is_followed_by_resume_report_and_manifest(runs, tiny_ckpt, tmp_path):
@@ -224,6 +316,13 @@ def test_status_and_manifest_merge_the_tasks_of_an_array(runs, tiny_ckpt, tmp_pa
     assert invoke("manifest", out, "--input", more).exit_code == 0
     frame = pd.read_parquet(out / "manifest.parquet")
     assert dict(zip(frame["id"], frame["status"], strict=True))["later"] == "pending" and len(frame) == 8
+
+
+def test_status_and_manifest_refuse_a_folder_no_run_wrote_to(tmp_path):
+    for command in ("status", "manifest"):
+        result = invoke(command, tmp_path)
+        assert result.exit_code == 2 and "no run has written here" in result.output, command
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_layout_is_nested_above_10k_requests_and_kept_by_later_runs(tmp_path):
