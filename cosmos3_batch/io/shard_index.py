@@ -54,18 +54,27 @@ class Located:
 
 def read_indexes(out: Path) -> list[dict]:
     """Every finalized shard's index, oldest first; an index whose tar is missing or of another size (a crash
-    between the index and the rename) is skipped."""
+    between the index and the rename) is skipped, and so is one whose tar is another file (inode) while a
+    temporary of that shard exists (the rename of a finalize or rewrite is pending). Another inode and no
+    temporary: the folder was copied or moved (cp -r, rsync, another filesystem), and the tar is the one."""
     found = []
     for path in sorted((out / INDEX_DIR).glob("*/*.json")):
         try:
             index = json.loads(path.read_text())
-            st = (out / index["shard"]).stat()
-            if (st.st_size, st.st_ino) != (index["bytes"], index.get("inode", st.st_ino)):
+            tar = out / index["shard"]
+            st = tar.stat()
+            if st.st_size != index["bytes"]:
+                continue
+            if st.st_ino != index.get("inode", st.st_ino) and _rename_pending(tar):
                 continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         found.append(index)
     return sorted(found, key=lambda i: (i["finalized_at"], i["shard"]))
+
+
+def _rename_pending(tar: Path) -> bool:
+    return any(tar.parent.glob(f".{tar.stem}.*.tar.tmp"))
 
 
 def latest_samples(indexes: list[dict]) -> dict[str, Located]:

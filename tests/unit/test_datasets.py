@@ -221,6 +221,22 @@ def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp
     assert sum(len(i["samples"]) for i in read_indexes(out)) == len(IDS)
 
 
+def test_a_copied_webdataset_folder_keeps_its_shards_for_resume_status_and_manifest(
+    runs, tiny_ckpt, tmp_path
+):
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["shards"], copy)  # new inodes: what cp -r, rsync or another filesystem gives
+    assert sum(len(i["samples"]) for i in read_indexes(copy)) == len(IDS)
+    status = invoke("status", copy, "--json")
+    assert status.exit_code == 0 and json.loads(status.output)["done"] == len(IDS)
+    again = run(runs["prompts"], tiny_ckpt, copy)
+    assert f"0 generated, 0 failed, {len(IDS)} already complete" in again.output, again.output
+    # ... but while a shard's rename is pending (its temporary beside it), its old tar is not read.
+    shard = Path(tars(copy, "video-latents")[0])
+    (shard.parent / f".{shard.stem}.1.tar.tmp").write_bytes(b"")
+    assert sum(len(i["samples"]) for i in read_indexes(copy)) < len(IDS)
+
+
 def test_lost_metrics_rows_are_recovered_naming_the_media(runs, tmp_path):
     from cosmos3_batch.config import RunConfig
     from cosmos3_batch.io import dataset
