@@ -198,7 +198,8 @@ def test_a_rerun_checks_files_against_the_manifest_without_reading_sidecars(runs
 
 
 def test_resume_status_and_overwrite_from_the_shard_indexes(runs, tiny_ckpt, tmp_path):
-    out, prompts = runs["shards"], runs["prompts"]
+    # A linked copy: the fixture's OUT is shared by tests a worker may run in any order (worksteal).
+    out, prompts = linked_copy(runs["shards"], tmp_path / "copy"), runs["prompts"]
     # A kill between a shard's index and its rename: the index records the temporary (the same inode).
     shard = Path(tars(out, "video-latents")[0])
     shard.rename(shard.with_name(f".{shard.stem}.999.tar.tmp"))
