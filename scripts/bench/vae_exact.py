@@ -12,8 +12,8 @@ the shard's call puts them (`gemm`: a step of 1 assumed), SiLU's scalar tail lef
 puts it (`silu`), and the encoder shortcut's mean taken on the shard alone (`mean`). Nothing is asserted;
 the tests (tests/unit/test_vae_patch.py) hold the first column at zero. `--all-settings` runs the table
 once per instruction-set setting scripts/test.sh uses (this CPU's default, MKL_ENABLE_INSTRUCTIONS=AVX2
-ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX ATEN_CPU_CAPABILITY=default), one subprocess each:
-MKL and ATen read them once, at start.
+ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX ATEN_CPU_CAPABILITY=default, oneDNN lowered alike), one
+subprocess each: MKL, ATen and oneDNN read them once, at start.
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ PLAIN = {
     "silu": (vae_patch, "silu_as_in_whole", lambda x, dim, offset, whole: F.silu(x)),
     "mean": (vae_patch, "mean_as_in_whole", lambda x, dim, offset, whole: x.mean(dim=2)),
 }
-SETTINGS = ({}, {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-            {"MKL_ENABLE_INSTRUCTIONS": "AVX", "ATEN_CPU_CAPABILITY": "default"})  # fmt: skip
+# As scripts/test.sh lowers them (oneDNN with ATen: see there).
+SETTINGS = (
+    {},
+    {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    {"MKL_ENABLE_INSTRUCTIONS": "AVX", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX"},
+)
 
 
 def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int) -> torch.Tensor:
