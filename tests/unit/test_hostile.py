@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
 from cosmos3_batch.pipeline import job
+from tests.unit.test_faults import tmpfs
 
 CLIP = Path(__file__).resolve().parents[2] / "examples" / "clip.mp4"
 VALID = {"id": "ok", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
@@ -528,20 +530,28 @@ def test_out_that_cannot_be_created_exits_2(tmp_path: Path, tiny_ckpt: Path, whe
 
 
 def test_read_only_out_exits_2(tmp_path: Path, tiny_ckpt: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    out.chmod(0o500)
-    try:
-        if os.access(out, os.W_OK):
-            pytest.skip("running as root (or with CAP_DAC_OVERRIDE): a 0o500 folder is still writable")
-        prompts = tmp_path / "p.jsonl"
-        prompts.write_bytes(jsonl(VALID))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(jsonl(VALID))
+
+    def refused(out: Path) -> None:
         result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress")
         assert result.exit_code == 2, result.output
         assert f"--out {out}: cannot write there" in result.output
         assert list(out.iterdir()) == []
+
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        if not os.access(out, os.W_OK):
+            refused(out)
+            return
     finally:
         out.chmod(0o700)
+    # Root (as CI runs) writes through a 0o500 folder: a filesystem mounted read-only stops it.
+    with tmpfs(tmp_path / "ro", "1m") as mount:
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        refused(mount)
 
 
 @pytest.mark.parametrize(
