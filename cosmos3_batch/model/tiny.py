@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,15 +191,25 @@ def scheduler_config(spec: TinySpec) -> dict:
     }
 
 
-def build_tokenizer():
-    """Byte-level tokenizer with a chat template and the special tokens the pipeline looks up."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(corpus: Iterable[str] = ()):
+    """Byte-level tokenizer with a chat template and the special tokens the pipeline looks up.
+
+    With a `corpus`, BPE merges are learned until every word in it is one token (the demo model's words:
+    a tiny transformer binds "red" to a colour far sooner than it composes r-e-d); any other text still
+    tokenizes, byte by byte. Without one there are no merges: the random tiny model's 260 tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
+    corpus = list(corpus)
+    if corpus:
+        # No size limit: merging stops when no pair is left inside any word.
+        trainer = trainers.BpeTrainer(vocab_size=1 << 20, initial_alphabet=alphabet, show_progress=False)
+        core.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
