@@ -27,11 +27,12 @@ from cosmos3_batch.model.demo import evaluate, grammar, trained  # noqa: E402
 from cosmos3_batch.model.demo.train_transformer import (  # noqa: E402
     TransformerRecipe,
     build_helper,
+    grammar_tokenizer,
     make_examples,
     train_transformer,
 )
 from cosmos3_batch.model.demo.train_vae import VaeRecipe, encode_means, latent_statistics, train_vae  # noqa: E402
-from cosmos3_batch.model.tiny import build_tokenizer, scheduler_config, transformer_config, vae_config  # noqa: E402
+from cosmos3_batch.model.tiny import scheduler_config  # noqa: E402
 
 log = logging.getLogger("cosmos3_batch.train_tiny")
 
@@ -54,11 +55,14 @@ def parse_args() -> argparse.Namespace:
 def build_models(seed: int):
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
-    torch.manual_seed(seed)
     spec = trained.DEMO_SPEC
-    tokenizer = build_tokenizer()
-    transformer = Cosmos3OmniTransformer(**transformer_config(spec, vocab_size=len(tokenizer)))
-    vae = AutoencoderKLWan(**vae_config(spec, torch.Generator().manual_seed(seed)))
+    # Module constructors draw their initial weights from torch's global generator: seed it before each.
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(**trained.demo_vae_config(torch.Generator().manual_seed(seed)))
+    scenes = [s for video in (False, True) for part in grammar.split_scenes(video=video) for s in part]
+    tokenizer = grammar_tokenizer(vae, scenes)  # the tokenizer's size is the transformer's vocabulary
+    torch.manual_seed(seed)
+    transformer = Cosmos3OmniTransformer(**trained.demo_transformer_config(len(tokenizer)))
     scheduler = UniPCMultistepScheduler(**scheduler_config(spec))
     return transformer, vae, scheduler, tokenizer
 
@@ -79,19 +83,23 @@ def train(args: argparse.Namespace, models) -> dict[str, float]:
     vae_recipe = VaeRecipe(steps=args.vae_steps)
     train_vae(vae, images, videos, vae_recipe, seed=args.seed)
     times["vae_train_s"] = round(time.monotonic() - start, 1)
-    image_latents = encode_means(vae, images, args.image_variants, seed=args.seed + 1)
+    image_latents, image_figures = encode_means(vae, images, args.image_variants, seed=args.seed + 1)
     # The colour, shape and background words are learned from the pictures too: a third of the trained clips
     # teach the motion words, and encoding a clip costs as much as nine pictures.
     videos = videos[:: args.video_stride]
-    video_latents = encode_means(vae, videos, args.video_variants, seed=args.seed + 2)
+    video_latents, video_figures = encode_means(vae, videos, args.video_variants, seed=args.seed + 2)
     log.info("encoded %d image and %d video latents", len(image_latents), len(video_latents))
     mean, std = latent_statistics(image_latents + video_latents)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     times["vae_s"] = round(time.monotonic() - start, 1)
     start = time.monotonic()
     helper = build_helper(transformer, tokenizer, vae, scheduler)
-    image_examples = make_examples(helper, images, normalised(image_latents, mean, std), args.image_variants)
-    video_examples = make_examples(helper, videos, normalised(video_latents, mean, std), args.video_variants)
+    image_examples = make_examples(
+        helper, images, normalised(image_latents, mean, std), image_figures, args.image_variants
+    )
+    video_examples = make_examples(
+        helper, videos, normalised(video_latents, mean, std), video_figures, args.video_variants
+    )
     recipe = TransformerRecipe(steps=args.transformer_steps)
     train_transformer(
         transformer, image_examples, video_examples, recipe, scheduler.config.flow_shift, args.seed
@@ -107,7 +115,7 @@ def held_out_accuracy(models, count: int) -> dict:
     result = {}
     for kind, video in (("images", False), ("videos", True)):
         scenes = grammar.split_scenes(video=video)[1]
-        scenes = scenes[:count] if count else scenes
+        scenes = grammar.spread(scenes, count) if count else scenes
         result[kind] = evaluate.evaluate(pipeline, scenes)[0].as_dict()
         log.info("held-out %s: %s", kind, result[kind])
     return result
