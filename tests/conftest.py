@@ -33,6 +33,7 @@ MODULE_SECONDS = {
     "tests/dist/test_modes_dist.py": 90,
     "tests/dist/test_engine_toy.py": 90,
     "tests/dist/test_resume.py": 60,
+    "tests/dist/test_demo_model.py": 140,
     "tests/dist/test_launcher.py": 45,
     "tests/unit/test_faults.py": 35,
     "tests/unit/test_fidelity.py": 50,
