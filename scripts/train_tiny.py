@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import shlex
-import shutil
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from cosmos3_batch.model.demo.train_transformer import (  # noqa: E402
     train_transformer,
 )
 from cosmos3_batch.model.demo.train_vae import VaeRecipe, encode_means, latent_statistics, train_vae  # noqa: E402
-from cosmos3_batch.model.tiny import scheduler_config  # noqa: E402
+from cosmos3_batch.model.tiny import publish_folder, scheduler_config  # noqa: E402
 
 log = logging.getLogger("cosmos3_batch.train_tiny")
 
@@ -132,11 +131,7 @@ def save(models, out: Path, record: dict) -> None:
     digests = trained.file_digests(tmp)
     record = {**record, "digest": trained.combined_digest(digests), "files": digests}
     (tmp / trained.RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    for entry in [tmp, *tmp.rglob("*")]:  # mkdtemp makes an owner-only folder
-        entry.chmod(0o755 if entry.is_dir() else 0o644)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish_folder(tmp, out)
     log.info("wrote %s (digest %s)", out, record["digest"])
 
 

@@ -265,15 +265,7 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
         (tmp / MARKER).write_text(
             "This folder was written by `cosmos3-batch make-tiny`; it may replace it.\n"
         )
-        # mkdtemp (and safetensors) make owner-only entries: let other users of a shared cache read the model.
-        umask = _umask()
-        for entry in [tmp, *tmp.rglob("*")]:
-            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
-        if overwrite and out_dir.is_symlink():
-            out_dir.unlink()  # replace the link itself, never what it points to
-        elif overwrite and out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        publish_folder(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -305,6 +297,23 @@ def _write_sound_tokenizer(folder: Path, seed: int) -> None:
         warnings.simplefilter("ignore", FutureWarning)
         tokenizer = Cosmos3AVAEAudioTokenizer(**sound_tokenizer_config())
     tokenizer.save_pretrained(folder, safe_serialization=True)
+
+
+def publish_folder(tmp: Path, out_dir: Path, overwrite: bool = True) -> None:
+    """Give the finished temporary folder `tmp` the modes the umask allows and rename it to `out_dir`.
+
+    mkdtemp (and safetensors) make owner-only entries: the modes let other users of a shared cache read the
+    model. With overwrite an existing `out_dir` is replaced (a link itself, never what it points to);
+    without, the rename fails on it with OSError.
+    """
+    umask = _umask()
+    for entry in [tmp, *tmp.rglob("*")]:
+        entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
+    if overwrite and out_dir.is_symlink():
+        out_dir.unlink()
+    elif overwrite and out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
 
 
 def _umask() -> int:

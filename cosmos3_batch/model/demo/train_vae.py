@@ -50,8 +50,7 @@ def _batch(
         scene = scenes[int(index)]
         frames = draw(scene, rng)
         x = to_vae_input(frames)
-        figure = np.any(frames != np.array(PALETTE[scene.background], dtype=np.uint8), axis=-1)
-        f = torch.from_numpy(figure.astype(np.float32))[None]
+        f = torch.from_numpy(figure_pixels(frames, scene).astype(np.float32))[None]
         if crop is not None:
             top, left = (int(v) for v in rng.integers(0, x.shape[-1] - crop + 1, size=2))
             x = x[..., top : top + crop, left : left + crop]
@@ -138,10 +137,15 @@ def encode_means(
     return latents, masks
 
 
+def figure_pixels(frames: np.ndarray, scene: Scene) -> np.ndarray:
+    """[F, H, W] bool: the drawn pixels that are not the background colour (the figure)."""
+    return np.any(frames != np.array(PALETTE[scene.background], dtype=np.uint8), axis=-1)
+
+
 def figure_mask(frames: np.ndarray, scene: Scene, spatial: int, temporal: int) -> torch.Tensor:
     """[1, 1, T, h, w]: 1 where a latent pixel's block of frames and pixels holds some of the figure (the
     causal VAE's first latent frame is the first frame alone, each later one `temporal` frames)."""
-    figure = np.any(frames != np.array(PALETTE[scene.background], dtype=np.uint8), axis=-1)  # [F, H, W]
+    figure = figure_pixels(frames, scene)
     groups = [figure[:1]] + [figure[1 + k : 1 + k + temporal] for k in range(0, len(figure) - 1, temporal)]
     side = figure.shape[1] // spatial
     blocks = [g.any(axis=0).reshape(side, spatial, side, spatial).any(axis=(1, 3)) for g in groups]

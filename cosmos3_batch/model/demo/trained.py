@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from cosmos3_batch.model.tiny import MARKER, TinySpec, model_index, transformer_config, vae_config
+from cosmos3_batch.model.tiny import (
+    MARKER,
+    TinySpec,
+    model_index,
+    publish_folder,
+    transformer_config,
+    vae_config,
+)
 
 SHIPPED = Path(__file__).resolve().parents[1] / "trained_tiny"
 RECORD = "demo_model.json"  # beside the weights: the command that made them, their digests, the accuracy
@@ -103,15 +109,7 @@ def write_trained(out_dir: Path, source: Path = SHIPPED) -> Path:
         shutil.copy2(source / RECORD, tmp / RECORD)
         (tmp / "model_index.json").write_text(json.dumps(demo_model_index(), indent=2) + "\n")
         (tmp / MARKER).write_text("This folder was written by `cosmos3-batch make-tiny --trained`.\n")
-        umask = os.umask(0o022)
-        os.umask(umask)
-        for entry in [tmp, *tmp.rglob("*")]:  # mkdtemp makes an owner-only folder
-            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
-        if out_dir.is_symlink():
-            out_dir.unlink()  # replace the link itself, never what it points to
-        elif out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
