@@ -26,6 +26,7 @@ ATen's AVX512, AVX2 and default capabilities with MKL's AVX512, AVX2 and SSE4.2 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -34,6 +35,9 @@ from torch import nn
 
 KERNELS = ("mkldnn_convolution", "thnn_conv2d", "slow_conv3d")  # their aten ops, called by conv_as_in_whole
 GEMM_PIXELS = 16  # gemm_column_step measures calls of at least this many pixels (the walk's: a shard's floor)
+# The GEMM reduction depths gemm_column_step measures: a 1x1 convolution's over 16 channels, a 3x3x3 one's.
+# A BLAS may pick its kernel by depth too, so the step must hold at both (else none is claimed).
+GEMM_DEPTHS = (16, 16 * 27)
 
 
 def exact_walk_available() -> bool:
@@ -82,9 +86,13 @@ def _im2col_as_in_whole(conv: nn.Module, x: torch.Tensor, whole_shape, dim: int,
     the last (m % step) of them with a remainder kernel that rounds apart (`gemm_column_step`). In the
     whole's call those are the last pixels of the last frame: the last shard's. So zero rows are put
     before the shard (their output rows are dropped) until its m leaves the same remainder as the whole's
-    (the last shard: the same pixels in it) or none (the others)."""
+    (the last shard: the same pixels in it) or none (the others), and at least GEMM_PIXELS in all: the step
+    describes calls of that many pixels only (measured on an AMD EPYC: at step 1, calls of 5 and 10 pixels
+    round apart from a 45-pixel one)."""
     step = gemm_column_step(x.dtype)
-    if step <= 1:
+    if (
+        step == 0
+    ):  # plan_cut does not split where no step was measured; a caller that does gets the plain call
         return _im2col(conv, x)
     mine, whole = _out_sizes(conv, x.shape), _out_sizes(conv, whole_shape)
     per_row = math.prod(mine) // mine[dim - 2]  # output pixels of one row along dim, per batch element
@@ -127,14 +135,14 @@ def gemm_column_step(dtype: torch.dtype) -> int:
 def _measured_step(dtype: torch.dtype, threads: int) -> int:
     """gemm_column_step, once per dtype and thread count (MKL reads its instruction set once, at start)."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(16, 16, 1, 1, generator=gen, dtype=dtype)
-    bias = torch.randn(16, generator=gen, dtype=dtype)
     calls = []  # per kernel and input column: {m: the output's pixels [m, 16]}, the column repeated m times
-    for _ in range(3):
-        column = torch.randn(1, 16, 1, 1, generator=gen, dtype=dtype)
+    for depth, _ in itertools.product(GEMM_DEPTHS, range(3)):
+        weight = torch.randn(16, depth, 1, 1, generator=gen, dtype=dtype)
+        bias = torch.randn(16, generator=gen, dtype=dtype)
+        column = torch.randn(1, depth, 1, 1, generator=gen, dtype=dtype)
         two, three = {}, {}
         for m in range(GEMM_PIXELS, 4 * GEMM_PIXELS + 1):
-            x = column.expand(1, 16, 1, m).contiguous()
+            x = column.expand(1, depth, 1, m).contiguous()
             out = torch.ops.aten.thnn_conv2d(x, weight, [1, 1], bias, [1, 1], [0, 0])
             two[m] = out[0, :, 0].T
             out = torch.ops.aten.slow_conv3d(

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 
 import torch
 from torch import nn
 
 from cosmos3_batch.model.vae_exact import exact_walk_available, gemm_column_step
 from cosmos3_batch.model.vae_patch import Shard
+
+log = logging.getLogger(__name__)
 
 MIN_SHARD_PIXELS = 16  # = parallel.sequence.MIN_SHARD_ROWS (not imported: parallel sits above model)
 
@@ -65,16 +68,33 @@ def plan_cut(latent_hw: tuple[int, int], parts: int, device: torch.device) -> Sh
     dim = split_dim(height, width)
     length, across = (height, width) if dim == 3 else (width, height)
     used = len(shard_sizes(length, across, parts))
-    if device.type == "cpu":
-        exact = torch.get_num_threads() == 1 and exact_walk_available()
-        step = gemm_column_step(torch.float32) if exact else 0
+    if device.type == "cpu" and used > 1:
+        step = 0
+        if torch.get_num_threads() != 1:
+            why = f"{torch.get_num_threads()} intra-op threads (the walk is exact at 1, torchrun's default)"
+        elif not exact_walk_available():
+            why = "this torch lacks the private convolution calls of the exact walk (torch 2.13 has them)"
+        else:
+            step = gemm_column_step(torch.float32)
+            why = "no GEMM step describes this CPU's im2col convolutions (model/vae_exact.gemm_column_step)"
         if not step:
+            _not_split(why)
             used = 1
         # The whole's GEMM remainder pixels (< step, the last of each frame) must all fall in the last shard:
         # its last row of a width cut holds at least step - 1 pixels.
         while used > 1 and shard_sizes(length, across, used)[-1] * (across if dim == 3 else 1) < step - 1:
             used -= 1
     return Shard(dim, shard_sizes(length, across, used), 0)
+
+
+@functools.cache
+def _not_split(why: str) -> None:
+    """Say once per process and reason that a CPU decode the group could share runs on one rank."""
+    log.warning(
+        "--vae-patch-parallel-size: CPU decodes and encodes are not split, one rank of the group runs each "
+        "whole (exact, as the reference): %s",
+        why,
+    )
 
 
 class ShapeExchange:

@@ -23,7 +23,12 @@ from typer.testing import CliRunner
 from cosmos3_batch.cli import app
 from cosmos3_batch.model import vae_shards
 from cosmos3_batch.model.tiny import TinySpec, vae_config
-from cosmos3_batch.model.vae_exact import conv_as_in_whole, mean_as_in_whole, silu_as_in_whole
+from cosmos3_batch.model.vae_exact import (
+    conv_as_in_whole,
+    gemm_column_step,
+    mean_as_in_whole,
+    silu_as_in_whole,
+)
 from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
 from cosmos3_batch.model.vae_shards import plan_cut, shard_sizes
 from cosmos3_batch.parallel.vae_group import PatchGroup
@@ -101,10 +106,48 @@ CASES = [
 ]
 
 
+def measured_branch(cpu_branch) -> int:
+    """This CPU's GEMM step at one thread (the cut's setting), said as the branch the test asserts."""
+    step = gemm_column_step(torch.float32)
+    if step:
+        cpu_branch(f"VAE walk: GEMM step {step} measured at 1 thread -> split; every shard equals the whole")
+    else:
+        cpu_branch("VAE walk: no GEMM step measured at 1 thread -> not split; one rank decodes the whole")
+    return step
+
+
 @pytest.mark.parametrize(("frames", "height", "width", "parts", "sizes"), CASES)
-def test_split_decode_and_encode_equal_diffusers_unsplit_ones(vae, frames, height, width, parts, sizes):
+def test_split_decode_and_encode_equal_diffusers_unsplit_ones(
+    vae, frames, height, width, parts, sizes, cpu_branch
+):
+    """Where this CPU's GEMM step allows a split, the cut is the planned one and its walk equals diffusers'
+    unsplit decode and encode; where it does not (step 0), the cut is one shard and the same holds."""
+    step = measured_branch(cpu_branch)
     cut = plan_cut((height, width), parts, torch.device("cpu"))
-    assert cut.sizes == sizes
+    assert cut.sizes == (sizes if step else (height,) if height >= width else (width,))
+    _assert_split_equals_unsplit(vae, cut, frames, height, width)
+
+
+def test_where_no_step_is_measured_the_decode_is_not_split_and_equals_the_unsplit_one(
+    vae, monkeypatch, caplog
+):
+    """The fallback, asserted on every CPU (a CPU like the issue's AVX2 EPYC at 2 threads measures no step):
+    one shard, the unsplit decode's bits, and one log line saying why, however many decodes."""
+    monkeypatch.setattr(vae_shards, "gemm_column_step", lambda dtype: 0)
+    vae_shards._not_split.cache_clear()
+    with caplog.at_level("WARNING", logger="cosmos3_batch.model.vae_shards"):
+        cuts = [plan_cut((8, 8), 2, torch.device("cpu")) for _ in range(3)]
+    assert [cut.sizes for cut in cuts] == [(8,)] * 3
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "CPU decodes and encodes are not split, one rank of the group runs each whole (exact, as the "
+        "reference): no GEMM step describes this CPU's im2col convolutions (model/vae_exact.gemm_column_step)"
+    ]
+    cut = cuts[0]
+    _assert_split_equals_unsplit(vae, cut, 1, 8, 8)
+
+
+def _assert_split_equals_unsplit(vae, cut: Shard, frames: int, height: int, width: int) -> None:
+    sizes = cut.sizes
     z = torch.randn(1, vae.config.z_dim, frames, height, width, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = vae.decode(z).sample
@@ -172,12 +215,17 @@ def test_the_encoder_shortcut_mean_of_a_shard_rounds_as_the_whole():
 
 
 @pytest.mark.parametrize("channels", [16, 64, 1024])
-def test_a_convolution_of_a_shard_uses_the_whole_calls_kernel(channels):
+def test_a_convolution_of_a_shard_uses_the_whole_calls_kernel(channels, cpu_branch):
     """A 3-D convolution whose whole input is past torch's size for oneDNN and whose shards are not (1024
     channels), or below it for all: im2col + GEMM, whose m (9 x 5 output pixels, a shard's rows x 5) leaves
-    every remainder a GEMM step of 2, 4 or 8 can."""
+    every remainder a GEMM step of 2, 4 or 8 can; shards of 5 and 10 pixels are padded to the measured
+    range (GEMM_PIXELS). Where no step is measured the walk never runs a shard's convolution: the cut is
+    one shard (asserted) and the whole call is the decode's."""
     conv = torch.nn.Conv3d(channels, 8, 3).eval()
     x = torch.randn(1, channels, 3, 11, 7, generator=torch.Generator().manual_seed(4))
+    if not measured_branch(cpu_branch):
+        assert plan_cut((9, 5), 4, torch.device("cpu")).sizes == (9,)
+        return
     with torch.no_grad():
         whole = conv(x)
         for start in range(9):
