@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.model.vae_shards import shard_sizes, split_dim
+from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.dist.jobs import CAPTURE_FRAMES, run_here, torchrun_jobs
@@ -127,14 +127,20 @@ def vae_job(vae_prompts, tiny8, out: Path, sp: int, parts: int) -> list:
 
 
 def split_counts(parts: int) -> tuple[int, int]:
-    """Requests whose decode / whose conditioning encode the cut gives more than one shard."""
+    """Requests whose decode / whose conditioning encode the cut gives more than one shard: the cut the
+    workers plan on this CPU (one thread, as under torchrun: the measured GEMM step decides, and where none
+    is measured nothing is split)."""
     decodes = encodes = 0
-    for row in VAE_ROWS:
-        w, h = (int(v) // 16 for v in row["size"].split("x"))
-        length, across = (h, w) if split_dim(h, w) == 3 else (w, h)
-        split = len(shard_sizes(length, across, parts)) > 1
-        decodes += split
-        encodes += split and ("image" in row or "video" in row)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for row in VAE_ROWS:
+            w, h = (int(v) // 16 for v in row["size"].split("x"))
+            split = len(plan_cut((h, w), parts, torch.device("cpu")).sizes) > 1
+            decodes += split
+            encodes += split and ("image" in row or "video" in row)
+    finally:
+        torch.set_num_threads(threads)
     return decodes, encodes
 
 

@@ -185,10 +185,13 @@ def test_plan_schedules_groups(tmp_path, tiny_ckpt):
     assert bad.exit_code == 2 and "4 attention heads" in bad.output
 
 
+@pytest.mark.exact
 def test_w8a8_under_sp_takes_the_whole_sequence_amax():
     """W8A8 quantizes activations per tensor: under --sp each rank sees only its rows, so the amax is
-    reduced over the group; with it the shards reproduce the whole sequence's W8A8 bit for bit (torch
-    2.13's CPU `_scaled_mm`), without it they do not. A rank with no rows still takes part (with 0)."""
+    reduced over the group; with it every shard is quantized with the whole sequence's scale, without it
+    with its own. A rank with no rows still takes part (with 0). Compared shard by shard with the same
+    shard quantized at the whole's amax: whether a shard's FP8 GEMM rows equal the same rows of the whole's
+    call is the CPU's business (oneDNN on AMX CPUs, outside MKL's CNR), not asserted here."""
     from cosmos3_batch.checkpoint.fp8_format import quantize_per_tensor
     from cosmos3_batch.model.fp8 import w8a8_linear
 
@@ -196,16 +199,18 @@ def test_w8a8_under_sp_takes_the_whole_sequence_amax():
     q, _, scale = quantize_per_tensor(torch.randn(64, 32, generator=gen) * 0.05)
     x = torch.randn(70, 32, generator=gen)
     x[3] *= 10  # the largest activation lies in the first shard only
-    full = w8a8_linear(x, q, scale, None)
     sizes = [*shard_rows(70, 4), 0]  # a fifth rank holding nothing
+    whole_amax = x.abs().amax()
+    expected = [w8a8_linear(p, q, scale, None, input_amax=whole_amax) for p in x.split(sizes)]
     seen = []
 
     def group_max(amax: torch.Tensor) -> torch.Tensor:
         seen.append(float(amax))
-        return x.abs().amax().reshape(amax.shape)  # what the group's all-reduce returns
+        return whole_amax.reshape(amax.shape)  # what the group's all-reduce returns
 
     parts = [w8a8_linear(p, q, scale, None, amax_reduce=group_max) for p in x.split(sizes)]
-    assert torch.equal(torch.cat(parts), full)
+    assert [torch.equal(a, b) for a, b in zip(parts, expected, strict=True)] == [True] * 5
     assert len(seen) == 5 and seen[-1] == 0.0
     alone = [w8a8_linear(p, q, scale, None) for p in x.split(sizes)]
-    assert not torch.equal(torch.cat(alone), full)
+    same = [torch.equal(a, b) for a, b in zip(alone, expected, strict=True)]
+    assert same == [True, False, False, False, True]  # the shard holding the largest, and the empty one
