@@ -75,6 +75,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = first + second
 
 
+# Tests whose assertion depends on what this CPU's kernels were measured to do say which branch they took
+# (the `cpu_branch` fixture); the run's summary lists them, so a log shows what was asserted on which CPU.
+_BRANCHES: dict[str, list[str]] = {}
+
+
+@pytest.fixture
+def cpu_branch(record_property):
+    """Call with a line saying which CPU-dependent branch the test asserted (and what it measured)."""
+
+    def say(line: str) -> None:
+        record_property("cpu_branch", line)
+
+    return say
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Runs in the controller for xdist workers' reports too: their user_properties travel with the report.
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name == "cpu_branch":
+                _BRANCHES.setdefault(str(value), []).append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _BRANCHES or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.section("CPU-dependent branches asserted on this CPU")
+    for line, nodeids in sorted(_BRANCHES.items()):
+        terminalreporter.write_line(f"{line}  [{len(nodeids)} test(s), e.g. {nodeids[0]}]")
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny", TinySpec())
@@ -84,6 +115,12 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 def tiny_av_ckpt(tmp_path_factory) -> Path:
     """The tiny model with joint sound and action generation (`make-tiny --sound --action`)."""
     return write_tiny(tmp_path_factory.mktemp("ckpt-av") / "tiny-av", TinySpec(sound=True, action=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_distilled_ckpt(tmp_path_factory) -> Path:
+    """A 4-step distilled folder as NVIDIA ships them (`make-tiny --distilled`: modular index only)."""
+    return write_tiny(tmp_path_factory.mktemp("ckpt-4step") / "tiny-4step", TinySpec(distilled=True))
 
 
 @pytest.fixture(scope="session")
