@@ -59,3 +59,38 @@ def reference_action(r: Request) -> CosmosActionCondition:
         view_point=spec.viewpoint,
         **media,
     )
+
+
+def distilled_reference(folder, dtype: torch.dtype = torch.float32):
+    """`Cosmos3DistilledModularPipeline` as diffusers loads a distilled folder (its blocks and config from
+    modular_model_index.json), with the components read from the folder itself: the index's loading specs
+    point at the hub, which the tests never reach. `dtype`: the transformer's as stored (the VAE's is
+    float32 in the tiny checkpoints: `from_pretrained(..., dtype={"transformer": dtype})`)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        Cosmos3OmniTransformer,
+        FlowMatchEulerDiscreteScheduler,
+        ModularPipeline,
+    )
+    from transformers import AutoTokenizer
+
+    pipe = ModularPipeline.from_pretrained(str(folder))
+    pipe.update_components(
+        transformer=Cosmos3OmniTransformer.from_pretrained(
+            folder, subfolder="transformer", torch_dtype=dtype
+        ),
+        vae=AutoencoderKLWan.from_pretrained(folder, subfolder="vae"),
+        text_tokenizer=AutoTokenizer.from_pretrained(folder, subfolder="text_tokenizer"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
+    )
+    pipe.disable_safety_checker()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def distilled_kwargs(r: Request) -> dict:
+    """The distilled pipeline's call for one of our requests: no negative prompt, steps nor guidance."""
+    kwargs = reference_kwargs(r)
+    for key in ("negative_prompt", "num_inference_steps", "guidance_scale", "enable_sound"):
+        kwargs.pop(key)
+    return kwargs

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosmos3_batch.checkpoint.declared import INDEX, MODULAR_INDEX
+
 _REPO_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 
 
@@ -31,12 +33,14 @@ class ModelSource:
 
 
 def resolve_model(text: str) -> ModelSource:
-    """A folder holding model_index.json, or a repo id found in (or, online, fetched into) the HF cache.
-    ValueError names what is wrong and how to fix it."""
+    """A folder holding model_index.json (or a modular one), or a repo id found in (or, online, fetched
+    into) the HF cache. ValueError names what is wrong and how to fix it."""
     folder = Path(text).expanduser()
     if folder.is_dir():
-        if not (folder / "model_index.json").is_file():
-            raise ValueError(f"--model {text}: not a diffusers checkpoint folder (no model_index.json)")
+        if not _has_index(folder):
+            raise ValueError(
+                f"--model {text}: not a diffusers checkpoint folder (no {INDEX} nor {MODULAR_INDEX})"
+            )
         return ModelSource(folder.resolve())
     match = _REPO_ID.fullmatch(text)
     if match is None or folder.exists():
@@ -62,6 +66,11 @@ def _from_hub(repo: str, revision: str) -> ModelSource:
         ) from None
     except Exception as exc:  # no such repo, no access, a network error with nothing cached
         raise ValueError(f"--model {repo}@{revision}: {type(exc).__name__}: {exc}") from None
-    if not (path / "model_index.json").is_file():
+    if not _has_index(path):
         raise ValueError(f"--model {repo}@{revision}: snapshot {path} is not a diffusers checkpoint")
     return ModelSource(path, repo, revision, commit=path.name)  # snapshots/<commit>
+
+
+def _has_index(folder: Path) -> bool:
+    """A pipeline folder (model_index.json) or a modular one (modular_model_index.json: distilled)."""
+    return (folder / INDEX).is_file() or (folder / MODULAR_INDEX).is_file()

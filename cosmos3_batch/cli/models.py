@@ -45,6 +45,20 @@ def make_tiny(
     action: Annotated[
         bool, typer.Option("--action", help="Add action_gen (every embodiment domain of the reference).")
     ] = False,
+    distilled: Annotated[
+        bool,
+        typer.Option(
+            "--distilled",
+            help="A 4-step distilled checkpoint as NVIDIA ships them (modular_model_index.json with "
+            "distilled_sigmas, FlowMatchEulerDiscreteScheduler, no model_index.json).",
+        ),
+    ] = False,
+    edge: Annotated[
+        bool,
+        typer.Option(
+            "--edge", help="The Cosmos3-Edge backbone (relu2 MLP, Nemotron norms, UND k-norm for GEN)."
+        ),
+    ] = False,
     trained: Annotated[
         bool,
         typer.Option(
@@ -75,6 +89,8 @@ def make_tiny(
             vocab=vocab,
             sound=sound,
             action=action,
+            distilled=distilled,
+            edge=edge,
         )
         if not force:
             check_replaceable(dir)

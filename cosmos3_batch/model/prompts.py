@@ -25,7 +25,12 @@ def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None, 
     Without modules it is built over meta-device ones from the configs: enough to tokenize and
     validate prompts before any weight is read.
     """
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
+    from diffusers import (
+        AutoencoderKLWan,
+        Cosmos3OmniPipeline,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+    )
 
     from cosmos3_batch.model.loading import build_transformer_on_meta
 
@@ -35,13 +40,16 @@ def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None, 
         with torch.device("meta"):
             vae = AutoencoderKLWan.from_config(checkpoint.config("vae"))
     index = checkpoint.model_index
+    distilled = checkpoint.sampler.distilled
+    scheduler_class = FlowMatchEulerDiscreteScheduler if distilled else UniPCMultistepScheduler
     helper = Cosmos3OmniPipeline(
         transformer=transformer,
         text_tokenizer=tokenizer,
         vae=vae,
-        scheduler=UniPCMultistepScheduler.from_config(checkpoint.config("scheduler")),
+        # The helper never steps (pipeline/samplers.py does); its scheduler is the declared class anyway.
+        scheduler=scheduler_class.from_config(checkpoint.config("scheduler")),
         enable_safety_checker=False,  # guardrail requests are rejected up front (no safety models offline)
-        default_use_system_prompt=index.get("default_use_system_prompt", True),
+        default_use_system_prompt=checkpoint.default_use_system_prompt,
         use_native_flow_schedule=index.get("use_native_flow_schedule", False),
         sound_tokenizer=sound_tokenizer,  # read by prepare_latents for sound+action requests
     )

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from cosmos3_batch.model.tiny_kinds import edge_transformer_config, write_distilled
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>")
 
 # Qwen-style chat template: the reference pipeline renders prompts through `apply_chat_template`.
@@ -69,8 +71,14 @@ class TinySpec:
     vocab: int | None = None
     sound: bool = False  # joint audio: a small Cosmos3AVAEAudioTokenizer and a transformer with sound_gen
     action: bool = False  # action_gen: domain-aware action projections for every embodiment domain
+    distilled: bool = False  # a 4-step distilled folder (model/tiny_kinds.py): FlowMatchEuler, modular index
+    edge: bool = False  # the Cosmos3-Edge backbone: relu2 MLP, Nemotron norms, UND k-norm for GEN
 
     def __post_init__(self) -> None:
+        if self.distilled and (self.sound or self.action):
+            raise ValueError(
+                "--distilled: distilled checkpoints generate images and videos only (no --sound/--action)"
+            )
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "latent_channels", "vae_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -92,7 +100,7 @@ class TinySpec:
 
 # The mode flags enter the spec's record only when set, so the embedded default (no flags) keeps the bytes
 # and the cache folder name it had before they existed.
-_MODE_FLAGS = ("sound", "action")
+_MODE_FLAGS = ("sound", "action", "distilled", "edge")
 SOUND_DIM = 8  # latent channels of the tiny sound tokenizer (the released model: 64)
 
 
@@ -132,6 +140,7 @@ def transformer_config(spec: TinySpec, vocab_size: int) -> dict:
         "rope_theta": 5000000.0,
         **({"sound_gen": True, "sound_dim": SOUND_DIM, "sound_latent_fps": 25.0} if spec.sound else {}),
         **({"action_gen": True, "action_dim": action_dim()} if spec.action else {}),
+        **(edge_transformer_config() if spec.edge else {}),
     }
 
 
@@ -258,9 +267,11 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
                 child.to(DTYPES[spec.dtype])
         transformer.save_pretrained(tmp / "transformer", safe_serialization=True, max_shard_size="500MB")
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
-        UniPCMultistepScheduler(**scheduler_config(spec)).save_pretrained(tmp / "scheduler")
-
-        (tmp / "model_index.json").write_text(json.dumps(model_index(spec), indent=2) + "\n")
+        if spec.distilled:  # a modular folder, as NVIDIA's 4-step checkpoints: no model_index.json
+            write_distilled(tmp, _diffusers_version(), type(tokenizer).__name__)
+        else:
+            UniPCMultistepScheduler(**scheduler_config(spec)).save_pretrained(tmp / "scheduler")
+            (tmp / "model_index.json").write_text(json.dumps(model_index(spec), indent=2) + "\n")
         (tmp / "tiny_spec.json").write_text(json.dumps(spec_record(spec), indent=2) + "\n")
         (tmp / MARKER).write_text(
             "This folder was written by `cosmos3-batch make-tiny`; it may replace it.\n"

@@ -29,6 +29,7 @@ class PartApplier:
         self.strict = strict
         self.max_rows = max_rows  # rows per batched group; None: all of a rank's branches together
         self.und_runs = 0  # UND half applications (layer x branch): once per branch per layer, ever
+        self.gen_runs = 0  # GEN half applications (layer x branch): a request's forwards x layers
 
     def __call__(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
         fp8 = self.split.fp8
@@ -71,6 +72,7 @@ class PartApplier:
             try:
                 if part == GEN:
                     gen_layer_batched(self.split, layer, group, index)
+                    self.gen_runs += len(group)
                 else:
                     und_layer_batched(self.split, layer, group, is_last)
                     self.und_runs += len(group)
@@ -88,6 +90,7 @@ class PartApplier:
         try:
             if part == GEN:
                 self.split.gen_layer(layer, branch, index)
+                self.gen_runs += 1
             else:
                 self.split.und_layer(layer, branch, is_last)
                 self.und_runs += 1

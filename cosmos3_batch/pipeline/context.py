@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from cosmos3_batch.checkpoint.declared import Sampler
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.model.cosmos3 import Cosmos3Split
 from cosmos3_batch.model.loading import load_transformer, load_vae
@@ -25,6 +26,7 @@ class ModelContext:
     device: torch.device
     use_native_flow_schedule: bool
     sound_tokenizer: torch.nn.Module | None = None  # joint audio; None when the checkpoint has none
+    sampler: Sampler = field(default_factory=lambda: Sampler("unipc"))  # what the checkpoint declares
     # The Wan VAE keeps its per-call feature caches as attributes of the module object. Decodes (finisher
     # thread) use `vae`; encodes at admission (the loop) use `encode_helper`, whose VAE is a shallow copy:
     # the same weights, its own cache attributes, so an I2V admission never waits behind a decode.
@@ -78,4 +80,5 @@ def load_context(
         device=device,
         use_native_flow_schedule=bool(checkpoint.model_index.get("use_native_flow_schedule", False)),
         sound_tokenizer=sound_tokenizer,
+        sampler=checkpoint.sampler,
     )

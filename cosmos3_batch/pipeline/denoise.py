@@ -19,8 +19,8 @@ from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
 from cosmos3_batch.model.prompts import tokenize
 from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.parallel.sequence import check_model, shard_rows
-from cosmos3_batch.pipeline import sync_free
 from cosmos3_batch.pipeline.context import ModelContext
+from cosmos3_batch.pipeline.samplers import make_sampler
 from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
@@ -142,7 +142,8 @@ class RequestJob:
         prompts = [cond_ids, uncond_ids] if self.cfg else [cond_ids]
         self.branches = [self._branch(ids, condition_frames) for ids in prompts]
         self.tokens = sum(len(ids) for ids in prompts)
-        self.scheduler = self._scheduler()
+        self.sampler = make_sampler(self.ctx, r, generator, self.latents, self.condition_mask)
+        self.scheduler = self.sampler.scheduler
         for stream in self.streams:
             stream.start(self.scheduler)
         self.timesteps = self.scheduler.timesteps
@@ -271,20 +272,6 @@ class RequestJob:
             shard=shard,
         )
 
-    def _scheduler(self):
-        from diffusers import UniPCMultistepScheduler
-
-        overrides = {} if self.request.flow_shift is None else {"flow_shift": self.request.flow_shift}
-        scheduler = UniPCMultistepScheduler.from_config(self.ctx.scheduler_config, **overrides)
-        steps = self.request.num_inference_steps
-        if self.ctx.use_native_flow_schedule:
-            train = scheduler.config.num_train_timesteps
-            sigmas = np.linspace(1.0 - 1.0 / train, 0.0, steps + 1)[:-1]
-            scheduler.set_timesteps(steps, device=self.ctx.device, sigmas=sigmas)
-        else:
-            scheduler.set_timesteps(steps, device=self.ctx.device)
-        return sync_free.prepare(scheduler, self.ctx.device)
-
     # ---- one denoising step ------------------------------------------------------------------------
 
     def begin_step(self) -> None:
@@ -319,9 +306,7 @@ class RequestJob:
         else:
             velocity = branch_velocities[0]
         t = self.timesteps[self.step_index]
-        self.latents = sync_free.step(
-            self.scheduler, velocity["vision"].unsqueeze(0), t, self.latents.unsqueeze(0)
-        ).squeeze(0)
+        self.latents = self.sampler.step(velocity["vision"], t, self.latents, self.step_index)
         for stream in self.streams:
             stream.step(velocity[stream.kind], t)
         self.step_index += 1

@@ -173,7 +173,8 @@ class PassRunner:
         if self.team is not None:  # the encodes' broadcasts, which every rank of the group issues
             self.team.encoding.note = self.sync.note
         # --max-batch-rows: a batched group's transient (MLP gate/up/product above all) grows with its rows.
-        self._apply = PartApplier(ctx.split, batch_branches, max_batch_rows, strict=sp is not None)
+        # Its und_runs / gen_runs count the UND / GEN half applications (layer x branch).
+        self.apply = PartApplier(ctx.split, batch_branches, max_batch_rows, strict=sp is not None)
         self.totals = Counters()
         self.started = time.perf_counter()  # the timeline's zero
         self.timeline: list[PassRecord] = []  # one small record per pass, for the run report
@@ -184,11 +185,6 @@ class PassRunner:
         self._reported = 0  # requests reported on this rank since the last exchange (finisher thread)
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
-
-    @property
-    def und_runs(self) -> int:
-        """UND half applications (layer x branch): once per branch per layer, ever (with the UND cache)."""
-        return self._apply.und_runs
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:
@@ -328,9 +324,9 @@ class PassRunner:
         for index in range(split.num_layers):
             if und_flag:
                 self.sync.note_world(f"part:{index}.{UND}")
-                self._apply(prefilling, weights.layer(index, UND), index, UND)
+                self.apply(prefilling, weights.layer(index, UND), index, UND)
             self.sync.note_world(f"part:{index}.{GEN}")
-            self._apply(active, weights.layer(index, GEN), index, GEN)
+            self.apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
         ended = time.perf_counter()
         self.pass_s += ended - started

@@ -54,7 +54,8 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "compute_s": round(totals.compute_s, 6),
         "h2d_s": round(totals.h2d_s, 6),
         "stall_share": round(totals.stall_share, 6),
-        "und_runs": runner.und_runs,
+        "und_runs": runner.apply.und_runs,
+        "gen_runs": runner.apply.gen_runs,
         # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
         "active_sum": sum(record.active for record in runner.timeline),
     }

@@ -14,14 +14,11 @@ from typing import Any
 
 from PIL import Image
 
+from cosmos3_batch.requests.defaults import COSMOS3, RequestDefaults
+
 # Defaults follow the Cosmos3 model card.
-DEFAULT_GUIDANCE = 6.0
-DEFAULT_FPS = 24.0
-DEFAULT_VIDEO_FRAMES = 189
-DEFAULT_IMAGE_SIZE = (1024, 1024)
-DEFAULT_VIDEO_SIZE = (1280, 720)
-DEFAULT_IMAGE_STEPS = 50
-DEFAULT_VIDEO_STEPS = 35
+DEFAULT_GUIDANCE = COSMOS3.guidance  # Nano's and Super's; other checkpoints' rows: requests/defaults.py
+DEFAULT_FPS = COSMOS3.fps
 MAX_SEED = 2**63 - 1
 
 ALLOWED_KEYS = (
@@ -60,6 +57,8 @@ class ModelLimits:
     sound: bool | None = None
     action: bool | None = None  # action_gen
     action_dim: int | None = None  # the widest action the checkpoint represents
+    # The reference's defaults for this checkpoint (requests/defaults.py); distilled ones fix steps, guidance.
+    defaults: RequestDefaults = COSMOS3
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)
@@ -172,7 +171,7 @@ def check_prompts(out: LineErrors, obj: JsonObject) -> dict[str, str | None]:
 def check_frames(out: LineErrors, obj: JsonObject, limits: ModelLimits) -> int | None:
     value = _get(obj, "num_frames")
     default = value is _ABSENT  # the default is checked too, in case a model's limits cannot represent it
-    frames = DEFAULT_VIDEO_FRAMES if default else _number(out, "num_frames", value, integer=True)
+    frames = limits.defaults.video_frames if default else _number(out, "num_frames", value, integer=True)
     if frames is None:
         return None
     step = limits.temporal_factor
@@ -207,7 +206,7 @@ def check_size(
         else:
             return _check_sides(out, ("size", "size"), f"{size}: ", int(match[1]), int(match[2]), limits)
     elif width is _ABSENT and height is _ABSENT:
-        w, h = DEFAULT_IMAGE_SIZE if num_frames == 1 else DEFAULT_VIDEO_SIZE
+        w, h = limits.defaults.image_size if num_frames == 1 else limits.defaults.video_size
         return _check_sides(out, ("size", "size"), f"default size {w}x{h}: ", w, h, limits)
     elif width is _ABSENT or height is _ABSENT:
         given, missing = ("width", "height") if height is _ABSENT else ("height", "width")
@@ -260,13 +259,14 @@ def check_numbers(
     out: LineErrors, obj: JsonObject, limits: ModelLimits, num_frames: int | None
 ) -> dict[str, Any]:
     """The scalar knobs, range-checked, with defaults filled in (None where the model decides)."""
-    steps = DEFAULT_IMAGE_STEPS if num_frames == 1 else DEFAULT_VIDEO_STEPS
+    d = limits.defaults
+    steps = d.image_steps if num_frames == 1 else d.video_steps
     # key -> (integer?, low, low allowed?, high, default)
     rules: dict[str, tuple[bool, float, bool, float, Any]] = {
-        "fps": (False, 0, False, 240, DEFAULT_FPS),
+        "fps": (False, 0, False, 240, d.fps),
         "num_inference_steps": (True, 1, True, limits.max_steps, steps),
-        "guidance_scale": (False, 0, True, 100, DEFAULT_GUIDANCE),
-        "flow_shift": (False, 0, False, 100, None),
+        "guidance_scale": (False, 0, True, 100, d.guidance),
+        "flow_shift": (False, 0, False, 100, d.flow_shift),
         "seed": (True, 0, True, MAX_SEED, None),
         "max_sequence_length": (True, 1, True, 1_000_000, None),
     }

@@ -171,3 +171,39 @@ def checkpoint_modes(model_index: dict, transformer_config: dict) -> dict[str, b
         "action": action,
         "action_dim": int(transformer_config["action_dim"]) if action else None,
     }
+
+
+def check_distilled(
+    out: LineErrors, obj: dict[str, Any], values: dict[str, Any], limits: ModelLimits
+) -> None:
+    """What a distilled checkpoint fixes (Cosmos3DistilledModularPipeline raises on the same values).
+    `values`: the request's checked numbers."""
+    if not limits.defaults.distilled:
+        return
+    steps = limits.defaults.image_steps
+    if values["num_inference_steps"] not in (None, steps):
+        out.add(
+            "num_inference_steps",
+            f"{values['num_inference_steps']}: this distilled checkpoint's schedule is fixed at {steps} "
+            f"steps (its distilled_sigmas); use {steps} or leave it out",
+        )
+    if values["guidance_scale"] not in (None, 1.0):
+        out.add(
+            "guidance_scale",
+            f"{describe(values['guidance_scale'])}: guidance is baked into this distilled checkpoint's "
+            "weights; use 1.0 or leave it out",
+        )
+    if _get(obj, "negative_prompt") is not _ABSENT:
+        out.add(
+            "negative_prompt", "a distilled checkpoint has no unconditional branch (guidance is baked in)"
+        )
+    if _get(obj, "flow_shift") is not _ABSENT:
+        out.add(
+            "flow_shift", "a distilled checkpoint's sigmas are fixed (its distilled_sigmas); leave it out"
+        )
+    for key in (
+        "sound",
+        "action",
+    ):  # Cosmos3DistilledBlocks: text2image, text2video, image2video, video2video
+        if _get(obj, key) not in (_ABSENT, False):
+            out.add(key, "a distilled checkpoint generates images and videos only (T2I, T2V, I2V, V2V)")

@@ -38,7 +38,7 @@ from cosmos3_batch.requests.fields import (
     check_samples,
     check_size,
 )
-from cosmos3_batch.requests.modes import check_sound, check_system_prompt, check_video
+from cosmos3_batch.requests.modes import check_distilled, check_sound, check_system_prompt, check_video
 from cosmos3_batch.requests.sources import ALL_NAMED, Columns, Source, expand, jsonl_items, read_source
 
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
@@ -276,10 +276,12 @@ def _validate_object(
             **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
             "sound": check_sound(out, obj, limits, num_frames),
         }
+    numbers = check_numbers(out, obj, limits, num_frames)
+    check_distilled(out, obj, numbers, limits)
     values = {
         **prompts,
         **media,
-        **check_numbers(out, obj, limits, num_frames),
+        **numbers,
         "system_prompt": check_system_prompt(out, obj),
         **check_extra_params(out, obj),
     }

@@ -97,7 +97,7 @@ def test_und_half_runs_once_per_branch_and_layer(tiny_ckpt, requests_):
     _, runner = run_ours(tiny_ckpt, requests_, max_active=3)
     branches = sum(1 if r.guidance_scale == 1.0 else 2 for r in requests_)
     layers = 2
-    assert runner.und_runs == branches * layers
+    assert runner.apply.und_runs == branches * layers
     # Passes: with 3 active at a time every pass steps each active request once; total steps bound it below.
     assert runner.passes >= max(r.num_inference_steps for r in requests_)
     assert runner.passes <= sum(r.num_inference_steps for r in requests_)
@@ -125,7 +125,7 @@ def test_und_cache_changes_nothing(tiny_ckpt, requests_, reference):
     for rid, (ref_latents, _) in reference.items():
         assert torch.equal(results[rid].latents, ref_latents), rid
     branch_steps = sum((1 if r.guidance_scale == 1.0 else 2) * r.num_inference_steps for r in requests_)
-    assert runner.und_runs == branch_steps * 2
+    assert runner.apply.und_runs == branch_steps * 2
 
 
 def test_a_request_failing_mid_pass_spares_the_others(tiny_ckpt, requests_, reference, monkeypatch):

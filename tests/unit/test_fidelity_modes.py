@@ -194,7 +194,7 @@ def test_every_mode_in_one_job_is_bit_exact(tiny_av_ckpt, requests_, reference, 
     assert sorted(ours) == sorted(reference)
     # Sound and action tokens ride in the GEN half: the UND half still runs once per branch and layer.
     branches = sum(1 if r.guidance_scale == 1.0 else 2 for r in requests_)
-    assert runner.und_runs == branches * 2
+    assert runner.apply.und_runs == branches * 2
     for rid, (latent_out, np_out) in reference.items():
         assert torch.equal(ours[rid].latents, latent_out.video), rid
         assert np.array_equal(ours[rid].frames, np_out.video), rid
