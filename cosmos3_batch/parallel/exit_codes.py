@@ -17,6 +17,7 @@ class ExitCode(IntEnum):
     OK = 0  # every request ok
     FAILED = 1  # some requests failed (listed in summary.json and metrics.csv), or the checkpoint changed
     BAD_INPUT = 2  # bad requests, flags or checkpoint, found before any weight was loaded
+    PEER = 69  # EX_UNAVAILABLE: a peer rank stalled past --collective-timeout-s (or died); requeue the job
     DISK = 75  # EX_TEMPFAIL: the output filesystem is full or read-only; free space and rerun
     SIGINT = 128 + signal.SIGINT  # stopped by Ctrl-C after writing what was finished; rerun to resume
     SIGTERM = 128 + signal.SIGTERM  # stopped by SIGTERM (scancel, preemption); rerun to resume
@@ -26,6 +27,8 @@ MEANING = {
     ExitCode.OK: "every request ok",
     ExitCode.FAILED: "some requests failed, or the checkpoint changed (see the error above)",
     ExitCode.BAD_INPUT: "bad input or configuration, nothing was generated",
+    ExitCode.PEER: "a peer rank stalled or died (see the error above): requeue the job, a rerun generates "
+    "exactly the rest",
     ExitCode.DISK: "the output filesystem is full or read-only: free space and rerun",
     ExitCode.SIGINT: "stopped by SIGINT; rerun to resume",
     ExitCode.SIGTERM: "stopped by SIGTERM; rerun to resume",

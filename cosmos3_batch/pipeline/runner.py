@@ -30,6 +30,7 @@ from cosmos3_batch.engine.transport import Counters
 from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
+from cosmos3_batch.parallel.stall import Place
 from cosmos3_batch.pipeline.apply import PartApplier
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
@@ -88,9 +89,10 @@ class PassSync:
     finisher's decodes: equal within a group), and the world-wide ones alone (the all-reduce and the part
     fetches: equal on every rank)."""
 
-    def __init__(self, world_size: int = 1, group=None):
+    def __init__(self, world_size: int = 1, group=None, place: Place | None = None):
         self.world_size = world_size
         self.group = group
+        self.place = place  # where the loop is, for the line that ends a job whose peer stalled
         self.all_reduces = 0
         self._trace = hashlib.sha256()
         self._world_trace = hashlib.sha256()
@@ -110,6 +112,8 @@ class PassSync:
 
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")
+        if self.place is not None:
+            self.place.note(event)
 
     def note_world(self, event: str) -> None:
         self.note(event)
