@@ -160,7 +160,7 @@ def run(
     rerun); 130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to
     resume). Every rank exits with the same code."""
     from cosmos3_batch.config import ConfigError, make_config
-    from cosmos3_batch.parallel.exit_codes import ExitCode
+    from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0
     from cosmos3_batch.pipeline.job import run_job
 
     _setup_logging()
@@ -197,9 +197,8 @@ def run(
             layout=layout,
             shard_size=shard_size,
         )
-    except ConfigError as exc:  # the same flags on every rank: one of them says so
-        if os.environ.get("RANK", "0") == "0":
-            typer.echo(f"error: {exc}", err=True)
+    except ConfigError as exc:  # the same flags on every rank: one of them says so, once
+        typer.echo(f"error: {after_rank_0(str(exc))}", err=True)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
     code, line, error = run_job(cfg)
     if line is not None:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from enum import IntEnum
 
 
@@ -57,3 +58,22 @@ def exit_as_one(code: int) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, leave)
+
+
+# How long a rank other than 0 waits for rank 0 to print a configuration error that every rank found.
+RANK_0_GRACE_S = 15.0
+
+
+def after_rank_0(message: str, grace_s: float = RANK_0_GRACE_S) -> str:
+    """The line a configuration error found before the ranks have met (a flag, --model, the device) is said
+    with, once for the job. Every rank usually finds the same one at once: rank 0 says it at once (as does
+    a world of one). Another rank waits up to `grace_s` first: rank 0 says it and leaves, and torchrun's
+    agent then SIGTERMs this rank, which exits 2 at once without a word. Were it to exit first, the agent
+    would SIGTERM rank 0 before it printed (the message was lost). A rank still here after `grace_s` found
+    a problem of its own (rank 0 went on to wait for it): it says it, naming itself."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 or world == 1:
+        return message
+    exit_as_one(ExitCode.BAD_INPUT)
+    time.sleep(grace_s)
+    return f"rank {rank}: {message}"

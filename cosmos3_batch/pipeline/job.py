@@ -28,7 +28,7 @@ from cosmos3_batch.model.loading import transformer_rule, validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
 from cosmos3_batch.model.vae_shards import check_patchable
-from cosmos3_batch.parallel.exit_codes import ExitCode, exit_as_one
+from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0, exit_as_one
 from cosmos3_batch.parallel.seq_group import build_seq_group
 from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
 from cosmos3_batch.parallel.stall import Place, peer_failure, post_mortem
@@ -168,8 +168,8 @@ def run_job(cfg: RunConfig) -> Outcome:
 def _recorded(cfg: RunConfig, stop: StopRequest) -> Outcome:
     try:
         world = init_world(cfg.device, cfg.collective_timeout_s)
-    except ValueError as exc:  # no such device, more ranks than GPUs: this rank's own problem, said by it
-        return Outcome(ExitCode.BAD_INPUT, None, str(exc))
+    except ValueError as exc:  # no such device, more ranks than GPUs: found before the ranks meet
+        return Outcome(ExitCode.BAD_INPUT, None, after_rank_0(str(exc)))
     place = Place(timeout_s=cfg.collective_timeout_s)
     try:
         try:
