@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from cosmos3_batch.parallel.exit_codes import after_rank_0
 from cosmos3_batch.parallel.launch import oom_kills, outcome
 from cosmos3_batch.pipeline.ending import first_stop
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
@@ -109,3 +110,19 @@ def test_ranks_report_the_worst_stop_any_of_them_saw():
     reports = [signalled, {"kind": "disk", "code": 75, "message": "m"}, None]
     assert first_stop([r for r in reports if r]) == {"kind": "disk", "code": 75, "message": "m"}
     assert first_stop([signalled]) == signalled and first_stop([]) is None
+
+
+def test_a_configuration_error_is_said_by_rank_0_at_once_by_another_rank_only_after_the_grace(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert after_rank_0("--model x: no model_index.json", grace_s=60) == "--model x: no model_index.json"
+    monkeypatch.setenv("RANK", "1")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        started = time.monotonic()
+        assert after_rank_0("no CUDA device", grace_s=0.3) == "rank 1: no CUDA device"
+        assert time.monotonic() - started >= 0.3
+        assert signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]  # SIGTERM now exits 2 quietly
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
