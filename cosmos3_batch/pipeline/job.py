@@ -39,6 +39,7 @@ from cosmos3_batch.pipeline.drive import Progress, drive
 from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
 from cosmos3_batch.pipeline.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job_plan import Plan
+from cosmos3_batch.pipeline.monitor import final_counts, start_monitor
 from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
 from cosmos3_batch.pipeline.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.runner import PassRunner, PassSync
@@ -268,7 +269,10 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     )
     if world.is_main and (recovered := writer.recover_rows(plan.complete)):
         log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
-    sync = PassSync(world.world_size, world.exchange_group, place)
+    sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
+    monitor = None
+    if world.is_main:  # the lag warnings, and --metrics-textfile
+        monitor = start_monitor(cfg, sync, len(plan.requests), len(plan.complete), started)
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
         # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).
         warn_unless_strict(f"--sp {cfg.sp}" if cfg.sp > 1 else "batched branches")
@@ -286,13 +290,23 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
         sp=seq_group,
         watch=watch.changed,
         max_batch_rows=cfg.max_batch_rows,
+        on_exchange=None if monitor is None else monitor.on_exchange,
+        failures=lambda: len(writer.failed),
     )
-    drive(cfg, world, runner, mine, writer, bar, stop)
-    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-    report = rank_report(world, runner, writer, gathers)
-    report["stop"] = stop.record()
-    report["weights"] = weights_report(ctx.split.fp8, calls=True)
-    ranks = world.all_gather_object(report)
+    final = None
+    try:
+        if monitor is not None:
+            monitor.passes = lambda: (runner.passes, runner.und_passes)
+        drive(cfg, world, runner, mine, writer, bar, stop)
+        gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
+        report = rank_report(world, runner, writer, gathers)
+        report["stop"] = stop.record()
+        report["weights"] = weights_report(ctx.split.fp8, calls=True)
+        ranks = world.all_gather_object(report)
+        final = final_counts(ranks)
+    finally:
+        if monitor is not None:  # also when a peer stalled: the file says the job no longer runs
+            monitor.close(final)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
     bar.close()

@@ -30,7 +30,7 @@ from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.apply import PartApplier
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
-from cosmos3_batch.pipeline.exchange import PassSync
+from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
@@ -78,6 +78,8 @@ class PassRunner:
         sp: SeqGroup | None = None,
         watch: Callable[[], str | None] | None = None,
         max_batch_rows: int | None = None,
+        on_exchange: Callable[[Exchanged], None] | None = None,
+        failures: Callable[[], int] | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -87,6 +89,8 @@ class PassRunner:
         self.on_finished = on_finished
         self.sync = sync if sync is not None else PassSync()
         self.on_progress = on_progress
+        self.on_exchange = on_exchange  # the live figures (rank 0's monitor): every exchange's sums
+        self.failures = failures  # requests failed on this rank so far (the writer's count: write errors too)
         self.und_cache = und_cache
         self.stop = stop if stop is not None else StopRequest()
         self.watch = watch  # CheckpointWatch.changed: what changed in the checkpoint's files, if anything
@@ -120,6 +124,8 @@ class PassRunner:
         self.not_started: list[Request] = []  # still queued when the run stopped
         self._unsubmitted: list[RequestJob] = []  # finished from a changed checkpoint: never written
         self._reported = 0  # requests reported on this rank since the last exchange (finisher thread)
+        self._failed = [0, 0]  # requests failed on this rank: so far, and so far as the exchange has told
+        self._moved = Counters()  # the last pass's counters, until the next exchange carries them
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
 
@@ -149,10 +155,17 @@ class PassRunner:
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
             with self._count_lock:
                 mine, self._reported = self._reported, 0
+                failed, self._failed[1] = self._failed[0] - self._failed[1], self._failed[0]
+            moved, self._moved = self._moved, Counters()
+            figures = Figures(failed, moved.h2d_bytes + moved.gathered_bytes, moved.stall_s)
+            stop = self.stop.requested
             if self.leads:
-                world = self.sync.exchange(len(active), report, local_und, mine, self.stop.requested)
+                world = self.sync.exchange(len(active), report, local_und, mine, stop, figures)
             else:  # the group's state is counted once, by its first rank; a signal counts from any rank
-                world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, self.stop.requested)
+                figures = Figures(0, figures.weight_bytes, figures.stall_s)  # its bytes are its own
+                world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, stop, figures)
+            if self.on_exchange is not None:
+                self.on_exchange(world)
             if self.on_progress is not None and world.finished > mine:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
@@ -200,6 +213,8 @@ class PassRunner:
         self.on_finished(job, result, error)
         with self._count_lock:
             self._reported += 1
+            mine = self._failed[0] + (error is not None)
+            self._failed[0] = self.failures() if self.failures is not None else mine
         if self.on_progress is not None:
             self.on_progress(1)
 
@@ -270,6 +285,7 @@ class PassRunner:
             self.sync.note_world(f"part:{index}.{GEN}")
             self._apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
+        self._moved = counters
         ended = time.perf_counter()
         self.pass_s += ended - started
         self._account(prefilling, counters)
