@@ -60,7 +60,7 @@ class Place:
     stage: str = "start-up"
     timeout_s: float = 600.0  # the timeout of the stage's collectives (--load-timeout-s while loading)
     timeout_flag: str = "--collective-timeout-s"
-    passes: int = 0  # per-pass exchanges issued so far
+    passes: int = 0  # per-pass exchanges issued so far (exchange k opens pass k - 1, counted from 0)
     event: str = ""  # the last collective noted in the pass trace
     vae: bool = False  # a VAE group walk broke (pipeline/vae_team.py): the decode's or an encode's messages
 
@@ -75,8 +75,9 @@ class Place:
             self.passes += 1
 
     def describe(self) -> str:
+        number = max(self.passes - 1, 0)
         if self.vae:
-            return f"pass {self.passes}, a VAE group exchange"
+            return f"pass {number}, a VAE group exchange"
         if self.stage != "passes" or not self.event:
             return self.stage
         head = self.event.split(":", 1)[0]
@@ -86,7 +87,7 @@ class Place:
             phase = what + (" (a prefill pass)" if part.lower() == "und" else "")
         else:
             phase = _PHASES.get(head, head)
-        return f"pass {self.passes}, {phase}"
+        return f"pass {number}, {phase}"
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,9 @@ class JobMonitor:
             if lag > limit and rank not in self._lagging:
                 self._lagging.add(rank)
                 log.warning(
-                    "rank %d reached pass %d's exchange %.1f s after the first rank (over %.0f%% of "
+                    "rank %d reached per-pass exchange %d %.1f s after the first rank (over %.0f%% of "
                     "--collective-timeout-s %g: at the timeout the job ends with 69)",
-                    rank, self.sync.all_reduces - 1, lag, 100 * LAG_SHARE, self.timeout_s,
+                    rank, max(self.sync.all_reduces - 1, 1), lag, 100 * LAG_SHARE, self.timeout_s,
                 )  # fmt: skip
             elif lag <= limit / 2:
                 self._lagging.discard(rank)  # caught up: a new episode may be named again

@@ -77,6 +77,10 @@ def test_a_stalled_rank_ends_the_job_with_69_one_line_naming_it_and_the_rerun_do
         said[0],
     ), said[0]
     assert said[0].endswith("Requeue the job: a rerun generates exactly the rest (exit 69)"), said[0]
+    # Before the timeout, rank 0 said it had waited half of it, for rank 1: a stall is visible before it ends.
+    warned = [line for line in output.splitlines() if "rank 0 has waited" in line]
+    assert len(warned) == 1 and "for rank 1 (at --collective-timeout-s 10 the job ends with 69)" in warned[0]
+    assert output.index(warned[0]) < output.index(said[0])
     last = output.strip().splitlines()[-1]
     assert last.startswith("cosmos3-torchrun: the job exited with 69 (ranks 0): rank(s) 1 stalled"), last
     # The survivor left one timeout and one meeting after the stop; the launcher then waited 30 s for the
@@ -92,4 +96,5 @@ def test_a_stalled_rank_ends_the_job_with_69_one_line_naming_it_and_the_rerun_do
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["generated_ok"], summary["skipped_complete"]) == (len(IDS) - before, before)
     assert_same_outputs(ref, out, IDS)
-    print(f"SIGSTOP -> launcher exit 69: {seconds:.1f} s; {before} outputs before\n{said[0]}\n{last}")
+    print(f"SIGSTOP -> launcher exit 69: {seconds:.1f} s; {before} outputs before")
+    print("\n".join([*warned, *said, last]))

@@ -33,15 +33,15 @@ def test_the_place_names_the_pass_and_the_collective_from_the_trace_events():
     place.enter("passes", 30, "--collective-timeout-s")
     for event in ("all_reduce:12", "part:0.und", "part:0.gen", "all_reduce:12"):
         place.note(event)
-    assert place.describe() == "pass 2, the per-pass exchange"
+    assert place.describe() == "pass 1, the per-pass exchange"
     place.note("part:3.und")
-    assert place.describe() == "pass 2, the gather of layer 3's UND part (a prefill pass)"
+    assert place.describe() == "pass 1, the gather of layer 3's UND part (a prefill pass)"
     place.note("part:3.gen")
-    assert place.describe() == "pass 2, the gather of layer 3's GEN part"
+    assert place.describe() == "pass 1, the gather of layer 3's GEN part"
     place.note("all_to_all:4,4:0")
-    assert place.describe() == "pass 2, an --sp all-to-all"
+    assert place.describe() == "pass 1, an --sp all-to-all"
     place.vae = True
-    assert place.describe() == "pass 2, a VAE group exchange"
+    assert place.describe() == "pass 1, a VAE group exchange"
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_survivors_name_the_rank_that_never_came_and_exactly_one_of_them_speaks(
     assert {rank: v.missing for rank, v in verdicts.items()} == {0: [1], 2: [1]}
     assert sorted(v.speaker for v in verdicts.values()) == [False, True]
     expected = (
-        "rank 1 did not arrive within --collective-timeout-s 5 at pass 1, the per-pass exchange (stalled: "
+        "rank 1 did not arrive within --collective-timeout-s 5 at pass 0, the per-pass exchange (stalled: "
         "a hung GPU, a frozen filesystem?); finished outputs are written. Requeue the job: a rerun "
         "generates exactly the rest (exit 69)"
     )
