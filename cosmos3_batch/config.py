@@ -59,6 +59,8 @@ class RunConfig:
     layout: str | None = None  # files: flat | nested; None: what OUT holds, else nested above 10k requests
     shard_bytes: int = 10**9  # webdataset: a shard is finalized at this many bytes (0: no byte limit) ...
     shard_samples: int = 0  # ... or at this many samples (0: no sample limit)
+    metrics_textfile: Path | None = None  # rank 0 keeps the job's live figures here (Prometheus text format)
+    metrics_interval_s: float = 15.0  # ... rewritten this often, and at the end
 
     @property
     def tag(self) -> str:
@@ -83,6 +85,8 @@ class RunConfig:
             raise ValueError(f"--max-vision-tokens must be >= 1, got {self.max_vision_tokens}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
+        if self.metrics_interval_s <= 0:
+            raise ValueError(f"--metrics-interval-s must be > 0, got {self.metrics_interval_s}")
         if self.load_timeout_s <= 0:
             raise ValueError(f"--load-timeout-s must be > 0, got {self.load_timeout_s}")
         if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):

@@ -70,6 +70,12 @@ MODEL_HELP = (
 SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
 PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."
 ID_COLUMN_HELP = "Table inputs: the column holding the id."
+METRICS_TEXTFILE_HELP = (
+    "Rank 0 keeps the job's live figures in this Prometheus text file (for the node exporter's textfile "
+    "collector): requests by state, outputs/s, passes, bytes moved, stall, per-rank seconds since progress "
+    "(docs/running.md). Rewritten atomically every --metrics-interval-s and at the end."
+)
+METRICS_INTERVAL_HELP = "Seconds between two writes of --metrics-textfile."
 
 
 @app.command()
@@ -104,7 +110,10 @@ def run(
     ] = "allgather",
     collective_timeout_s: Annotated[
         float,
-        typer.Option(help="Seconds a collective may wait for a peer before the job fails (a dead rank)."),
+        typer.Option(
+            help="Seconds a collective may wait for a peer before the job ends with 69 (a stalled or dead "
+            "rank, named in one line: requeue the job); rank 0 warns at half of it."
+        ),
     ] = 600.0,
     load_timeout_s: Annotated[
         float,
@@ -154,13 +163,16 @@ def run(
     format: cli_data.Format = None,
     layout: cli_data.Layout = None,
     shard_size: cli_data.ShardSize = None,
+    metrics_textfile: Annotated[Path | None, typer.Option(help=METRICS_TEXTFILE_HELP)] = None,
+    metrics_interval_s: Annotated[float, typer.Option(help=METRICS_INTERVAL_HELP)] = 15.0,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
-    the job; 2: bad input (nothing loaded); 75: the output filesystem is full or read-only (free space and
-    rerun); 130 / 143: stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to
-    resume). Every rank exits with the same code."""
+    the job; 2: bad input (nothing loaded); 69: a peer rank stalled past --collective-timeout-s or died
+    (requeue the job); 75: the output filesystem is full or read-only (free space and rerun); 130 / 143:
+    stopped by SIGINT (Ctrl-C) / SIGTERM after writing what was finished (rerun to resume). Every rank exits
+    with the same code (a rank that stalled or died excepted)."""
     from cosmos3_batch.config import ConfigError, make_config
-    from cosmos3_batch.parallel.exit_codes import ExitCode
+    from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0
     from cosmos3_batch.pipeline.job import run_job
 
     _setup_logging()
@@ -196,10 +208,11 @@ def run(
             format=format,
             layout=layout,
             shard_size=shard_size,
+            metrics_textfile=metrics_textfile,
+            metrics_interval_s=metrics_interval_s,
         )
-    except ConfigError as exc:  # the same flags on every rank: one of them says so
-        if os.environ.get("RANK", "0") == "0":
-            typer.echo(f"error: {exc}", err=True)
+    except ConfigError as exc:  # the same flags on every rank: one of them says so, once
+        typer.echo(f"error: {after_rank_0(str(exc))}", err=True)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
     code, line, error = run_job(cfg)
     if line is not None:

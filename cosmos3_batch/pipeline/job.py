@@ -10,11 +10,9 @@ import hashlib
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
@@ -23,25 +21,28 @@ from cosmos3_batch.checkpoint.watch import CheckpointWatch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import dataset, outputs
-from cosmos3_batch.io.metrics import MetricsWriter, state_dir, write_passes
-from cosmos3_batch.io.space import check_room, disk_errno, output_bytes
+from cosmos3_batch.io.metrics import MetricsWriter, state_dir
+from cosmos3_batch.io.space import check_room, output_bytes
 from cosmos3_batch.model.limits import limits_for
 from cosmos3_batch.model.loading import transformer_rule, validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
 from cosmos3_batch.model.vae_shards import check_patchable
-from cosmos3_batch.parallel.exit_codes import ExitCode, exit_as_one
+from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0, exit_as_one
 from cosmos3_batch.parallel.seq_group import build_seq_group
 from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
+from cosmos3_batch.parallel.stall import Place, peer_failure, post_mortem
 from cosmos3_batch.parallel.vae_group import build_decode_group
 from cosmos3_batch.parallel.world import World, init_world, teardown
 from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.drive import Progress, drive
 from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
 from cosmos3_batch.pipeline.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job_plan import Plan
+from cosmos3_batch.pipeline.monitor import final_counts, start_monitor
 from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
 from cosmos3_batch.pipeline.resume import prepare_out, share_split, split_complete
-from cosmos3_batch.pipeline.runner import PassRecord, PassRunner, PassSync
+from cosmos3_batch.pipeline.runner import PassRunner, PassSync
 from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import preview, rank_report
 from cosmos3_batch.pipeline.vae_team import GroupBroken, build_team
@@ -168,15 +169,28 @@ def run_job(cfg: RunConfig) -> Outcome:
 def _recorded(cfg: RunConfig, stop: StopRequest) -> Outcome:
     try:
         world = init_world(cfg.device, cfg.collective_timeout_s)
-    except ValueError as exc:  # no such device, more ranks than GPUs: this rank's own problem, said by it
-        return Outcome(ExitCode.BAD_INPUT, None, str(exc))
+    except ValueError as exc:  # no such device, more ranks than GPUs: found before the ranks meet
+        return Outcome(ExitCode.BAD_INPUT, None, after_rank_0(str(exc)))
+    place = Place(timeout_s=cfg.collective_timeout_s)
     try:
         try:
-            return _run(cfg, world, stop)
+            return _run(cfg, world, stop, place)
         except BadInput as exc:  # raised on every rank (`_agreed`): one of them says it
             return Outcome(ExitCode.BAD_INPUT, None, str(exc) if world.is_main else None)
+        except Exception as exc:
+            if not world.distributed or (kind := peer_failure(exc)) is None:
+                raise  # a crash of our own: torchelastic's error file and the traceback
+            return _peer_lost(world, kind, place, exc)
     finally:
         teardown(world)
+
+
+def _peer_lost(world: World, kind: str, place: Place, exc: Exception) -> Outcome:
+    """A collective failed because a peer stalled or died: exit 69 on every survivor, one line from one."""
+    place.vae = isinstance(exc, GroupBroken)
+    log.debug("collective failed on rank %d: %s", world.rank, exc)
+    verdict = post_mortem(world.rank, world.world_size, kind, place)
+    return Outcome(ExitCode.PEER, None, verdict.line if verdict.speaker else None)
 
 
 def _output_size(cfg: RunConfig, checkpoint: Checkpoint):
@@ -197,7 +211,7 @@ def _check_same_plan(world: World, plan: Plan) -> None:
         )
 
 
-def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
+def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outcome:
     started = time.time()
     _quiet_other_ranks(world)
     plan = _plan_everywhere(cfg, world)
@@ -231,11 +245,14 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
     ctx.vae_team = build_team(ctx, parts, seq_group, decode_group)
     # Loading has no collective; the first ones after it (the layout digest, the shard reads' end) wait with
     # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
+    place.enter("loading", cfg.load_timeout_s, "--load-timeout-s")
     world.wait_for_ranks(cfg.load_timeout_s, "loading")
     weights = build_weights(
         ctx.layers, checkpoint, cfg.offload, world, transformer_rule(checkpoint, cfg.dtype)
     )
+    place.enter("reading the shards")
     world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
+    place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
     metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
@@ -252,7 +269,10 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
     )
     if world.is_main and (recovered := writer.recover_rows(plan.complete)):
         log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
-    sync = PassSync(world.world_size, world.exchange_group)
+    sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
+    monitor = None
+    if world.is_main:  # the lag warnings, and --metrics-textfile
+        monitor = start_monitor(cfg, sync, len(plan.requests), len(plan.complete), started)
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
         # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).
         warn_unless_strict(f"--sp {cfg.sp}" if cfg.sp > 1 else "batched branches")
@@ -270,57 +290,27 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest) -> Outcome:
         sp=seq_group,
         watch=watch.changed,
         max_batch_rows=cfg.max_batch_rows,
+        on_exchange=None if monitor is None else monitor.on_exchange,
+        failures=lambda: len(writer.failed),
     )
-    _drive(cfg, world, runner, mine, writer, bar, stop)
-    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-    report = rank_report(world, runner, writer, gathers)
-    report["stop"] = stop.record()
-    report["weights"] = weights_report(ctx.split.fp8, calls=True)
-    ranks = world.all_gather_object(report)
+    final = None
+    try:
+        if monitor is not None:
+            monitor.passes = lambda: (runner.passes, runner.und_passes)
+        drive(cfg, world, runner, mine, writer, bar, stop)
+        gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
+        report = rank_report(world, runner, writer, gathers)
+        report["stop"] = stop.record()
+        report["weights"] = weights_report(ctx.split.fp8, calls=True)
+        ranks = world.all_gather_object(report)
+        final = final_counts(ranks)
+    finally:
+        if monitor is not None:  # also when a peer stalled: the file says the job no longer runs
+            monitor.close(final)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
     bar.close()
     return end_run(cfg, world, plan, ranks, started)
-
-
-def _drive(
-    cfg: RunConfig,
-    world: World,
-    runner: PassRunner,
-    mine: list[Request],
-    writer: ResultWriter,
-    bar: Progress,
-    stop: StopRequest,
-) -> None:
-    """Run this rank's queue; whatever happens, close the metrics part file and the engine and keep the
-    pass timeline (a full disk may refuse it: it is for the report only)."""
-    try:
-        runner.run(mine)
-        for job in runner.abandoned:  # stopped mid-denoise: on record, and redone by the next run
-            writer.row(job, "interrupted", error=f"stopped by {_cause(stop)} mid-denoise")
-    except GroupBroken as exc:  # a RuntimeError too, but it says what failed on this rank
-        log.error("the job ends: %s", exc)
-        raise
-    except Exception as exc:
-        if world.distributed and isinstance(exc, RuntimeError | dist.DistError):
-            log.error(
-                "a collective failed: a peer rank died or stalled past --collective-timeout-s (%s)", exc
-            )
-        raise
-    except BaseException:
-        bar.close()
-        raise
-    finally:
-        try:
-            writer.finish()  # the open shards finalized (their rows follow), or lost to a full disk
-        finally:
-            writer.metrics.close()
-        runner.weights.close()
-        try:
-            write_passes(cfg.out, world.rank, cfg.tag, PassRecord._fields, runner.timeline)
-        except OSError as exc:
-            if disk_errno(exc) is None:
-                raise
 
 
 def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
@@ -366,29 +356,6 @@ def _pin_encoder() -> None:
         outputs.pin_encoder()
     except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
         raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
-
-
-def _cause(stop: StopRequest) -> str:
-    if stop.fault is not None:
-        return "a full disk" if stop.fault.kind == "disk" else "a changed checkpoint"
-    return stop.name or "a peer rank"
-
-
-class Progress:
-    """The bar, updated from the loop (peers' counts) and the finisher thread (our own): one at a time."""
-
-    def __init__(self, bar: tqdm):
-        self.bar = bar
-        self._lock = threading.Lock()
-
-    def update(self, n: int) -> None:
-        if n > 0:
-            with self._lock:
-                self.bar.update(n)
-
-    def close(self) -> None:
-        with self._lock:
-            self.bar.close()
 
 
 def _quiet_other_ranks(world: World) -> None:

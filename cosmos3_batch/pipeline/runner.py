@@ -15,16 +15,13 @@ Every pass, on every rank:
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
-import torch.distributed as dist
 
 from cosmos3_batch.engine.transport import Counters
 from cosmos3_batch.model.batched import batch_by_default
@@ -33,6 +30,7 @@ from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.apply import PartApplier
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
@@ -52,19 +50,6 @@ class LayerWeights(Protocol):
     def end_pass(self) -> Counters: ...
 
 
-@dataclass(frozen=True)
-class Exchanged:
-    """What the per-pass all-reduce tells every rank about the whole world (sums over ranks)."""
-
-    active: int  # requests active on all ranks this pass (before this pass's admissions)
-    starved: int  # free slots that no prefilled request can fill while requests are queued
-    overdue: int  # ranks whose starved slot has waited --prefill-max-wait passes
-    pending: int  # requests queued or prefilled, not yet active
-    und: bool  # some active request needs the UND parts anyway (the --no-und-cache ablation)
-    finished: int  # requests reported (written or failed) on all ranks since the last pass
-    stop: bool  # some rank was asked to stop (SIGINT / SIGTERM)
-
-
 class PassRecord(NamedTuple):
     """One pass on this rank, as the run report draws it (columns of passes.*.csv)."""
 
@@ -75,53 +60,6 @@ class PassRecord(NamedTuple):
     active: int  # requests that rode on this pass
     stall_s: float  # compute waited for a part
     weight_bytes: int  # host->device + gathered on this rank
-
-
-class PassSync:
-    """The one collective per pass. Also keeps a trace of the collectives the pass loop issues.
-
-    The group is a host (gloo) group on every backend: seven integers need no device, and a device tensor
-    here would cost two device syncs per pass (the copy in and `.tolist()`).
-
-    Two traces: every collective the pass loop's thread issues on every rank of its --sp group alike (its
-    group's all-to-alls and agreements and its encodes' broadcasts too, not their halo messages nor the
-    finisher's decodes: equal within a group), and the world-wide ones alone (the all-reduce and the part
-    fetches: equal on every rank)."""
-
-    def __init__(self, world_size: int = 1, group=None):
-        self.world_size = world_size
-        self.group = group
-        self.all_reduces = 0
-        self._trace = hashlib.sha256()
-        self._world_trace = hashlib.sha256()
-
-    def exchange(
-        self, active: int, slots: SlotReport, needs_und: bool, finished: int, stop: bool = False
-    ) -> Exchanged:
-        self.all_reduces += 1
-        self.note_world("all_reduce:7")
-        values = [active, slots.starved, slots.overdue, slots.pending, int(needs_und), finished, int(stop)]
-        if self.world_size > 1:
-            tensor = torch.tensor(values, dtype=torch.int64)
-            dist.all_reduce(tensor, group=self.group)
-            values = tensor.tolist()
-        total, starved, overdue, pending, und, done, stops = values
-        return Exchanged(total, starved, overdue, pending, und > 0, done, stops > 0)
-
-    def note(self, event: str) -> None:
-        self._trace.update(event.encode() + b";")
-
-    def note_world(self, event: str) -> None:
-        self.note(event)
-        self._world_trace.update(event.encode() + b";")
-
-    @property
-    def trace_digest(self) -> str:
-        return self._trace.hexdigest()
-
-    @property
-    def world_trace_digest(self) -> str:
-        return self._world_trace.hexdigest()
 
 
 class PassRunner:
@@ -140,6 +78,8 @@ class PassRunner:
         sp: SeqGroup | None = None,
         watch: Callable[[], str | None] | None = None,
         max_batch_rows: int | None = None,
+        on_exchange: Callable[[Exchanged], None] | None = None,
+        failures: Callable[[], int] | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -149,6 +89,8 @@ class PassRunner:
         self.on_finished = on_finished
         self.sync = sync if sync is not None else PassSync()
         self.on_progress = on_progress
+        self.on_exchange = on_exchange  # the live figures (rank 0's monitor): every exchange's sums
+        self.failures = failures  # requests failed on this rank so far (the writer's count: write errors too)
         self.und_cache = und_cache
         self.stop = stop if stop is not None else StopRequest()
         self.watch = watch  # CheckpointWatch.changed: what changed in the checkpoint's files, if anything
@@ -183,6 +125,8 @@ class PassRunner:
         self.not_started: list[Request] = []  # still queued when the run stopped
         self._unsubmitted: list[RequestJob] = []  # finished from a changed checkpoint: never written
         self._reported = 0  # requests reported on this rank since the last exchange (finisher thread)
+        self._failed = [0, 0]  # requests failed on this rank: so far, and so far as the exchange has told
+        self._moved = Counters()  # the last pass's counters, until the next exchange carries them
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
 
@@ -207,10 +151,17 @@ class PassRunner:
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
             with self._count_lock:
                 mine, self._reported = self._reported, 0
+                failed, self._failed[1] = self._failed[0] - self._failed[1], self._failed[0]
+            moved, self._moved = self._moved, Counters()
+            figures = Figures(failed, moved.h2d_bytes + moved.gathered_bytes, moved.stall_s)
+            stop = self.stop.requested
             if self.leads:
-                world = self.sync.exchange(len(active), report, local_und, mine, self.stop.requested)
+                world = self.sync.exchange(len(active), report, local_und, mine, stop, figures)
             else:  # the group's state is counted once, by its first rank; a signal counts from any rank
-                world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, self.stop.requested)
+                figures = Figures(0, figures.weight_bytes, figures.stall_s)  # its bytes are its own
+                world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, stop, figures)
+            if self.on_exchange is not None:
+                self.on_exchange(world)
             if self.on_progress is not None and world.finished > mine:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
@@ -258,6 +209,8 @@ class PassRunner:
         self.on_finished(job, result, error)
         with self._count_lock:
             self._reported += 1
+            mine = self._failed[0] + (error is not None)
+            self._failed[0] = self.failures() if self.failures is not None else mine
         if self.on_progress is not None:
             self.on_progress(1)
 
@@ -328,6 +281,7 @@ class PassRunner:
             self.sync.note_world(f"part:{index}.{GEN}")
             self.apply(active, weights.layer(index, GEN), index, GEN)
         counters = weights.end_pass()
+        self._moved = counters
         ended = time.perf_counter()
         self.pass_s += ended - started
         self._account(prefilling, counters)

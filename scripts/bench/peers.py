@@ -253,7 +253,7 @@ def _run_peer(args: argparse.Namespace) -> None:
         outputs.write_latents(paths.latents, result.latents)
         ok.append(job.request.id)
 
-    sync = PassSync(world.world_size, world.exchange_group)
+    sync = PassSync(world.world_size, world.exchange_group, rank=world.rank)
     runner = PassRunner(ctx, weights, cfg.max_active, finished, sync, und_cache=cfg.und_cache)
     weights.run(runner, mine)
     ranks = world.all_gather_object({**_rank_report(world.rank, ok, runner), "failed": failed})

@@ -77,3 +77,26 @@ def test_a_slow_load_on_one_rank_waits_for_load_timeout_not_the_collective_timeo
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((folder / "codes.json").read_text()) == [0]
+
+
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "cosmos3_batch.parallel.launch"])
+def test_a_configuration_error_is_said_once_under_either_launcher(tmp_path, launcher):
+    """`--model` names a folder without model_index.json: every rank finds it before the ranks meet. Rank 0
+    starts 3 s late here: rank 1 used to exit at once, and the agent SIGTERMed rank 0 (the one that says it)
+    before it printed. Now rank 1 waits for rank 0 to say it, once, and the job ends with 2."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}])
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "tests.dist.slow_rank_zero", "3", "run"]
+    cmd += [str(prompts), "--model", str(empty), "--out", str(tmp_path / "out"), "--no-progress"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    message = f"error: --model {empty}: not a diffusers checkpoint folder (no model_index.json)"
+    assert output.count("not a diffusers checkpoint folder") == 1, output[-3000:]
+    assert message in output, output[-3000:]
+    if launcher == "cosmos3_batch.parallel.launch":
+        assert proc.returncode == 2, output[-3000:]
+        assert output.strip().splitlines()[-1].startswith("cosmos3-torchrun: the job exited with 2 (ranks 0")
+    else:  # torchrun's own code and banner, after our line
+        assert proc.returncode == 1 and output.index(message) < output.index("ChildFailedError"), output

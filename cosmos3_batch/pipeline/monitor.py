@@ -1,0 +1,154 @@
+"""Rank 0's view of a running job (DESIGN.md §20): the lag warning and `--metrics-textfile`.
+
+Everything comes from the per-pass exchange (pipeline/exchange.py), which already carries each rank's
+counts; nothing here issues a collective. A thread wakes every second: it writes the text file every
+`--metrics-interval-s` and warns when rank 0 has waited for the others in an exchange for more than
+`LAG_SHARE` of `--collective-timeout-s` (then the job is that far from ending with 69). After each
+exchange, the ranks' own waits say who came last and how late: a rank that lagged the first by more than
+that share is named (once per episode: again only after it has caught up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from cosmos3_batch.config import RunConfig
+from cosmos3_batch.io.prometheus import Snapshot, job_labels, write_textfile
+from cosmos3_batch.pipeline.exchange import Exchanged, PassSync
+
+log = logging.getLogger("cosmos3_batch")
+LAG_SHARE = 0.5  # of --collective-timeout-s: a rank this late is named in the log
+TICK_S = 1.0
+
+
+class JobMonitor:
+    def __init__(
+        self,
+        sync: PassSync,
+        timeout_s: float,
+        textfile: Path | None = None,
+        interval_s: float = 15.0,
+        labels: dict[str, str] | None = None,
+        requests: tuple[int, int] = (0, 0),
+        started: float | None = None,
+    ):
+        self.sync, self.timeout_s, self.textfile, self.interval_s = sync, timeout_s, textfile, interval_s
+        self.labels = labels or {"job": "", "array_task": ""}
+        started = time.time() if started is None else started
+        self.snap = Snapshot(start_time=started, since_progress=[0.0] * sync.world_size)
+        to_do, skipped = requests
+        self.snap.requests = {"done": 0, "failed": 0, "interrupted": 0, "pending": to_do, "skipped": skipped}
+        self.passes = lambda: (0, 0)  # (passes, UND passes): the runner's, once there is one
+        self._lock = threading.Lock()
+        self._lagging: set[int] = set()
+        self._waited_warned = 0  # the exchange (count) whose long wait was last named
+        self._window = (time.monotonic(), 0)  # (when, outputs done) at the previous write
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="cosmos3-monitor", daemon=True)
+
+    def start(self) -> JobMonitor:
+        self._thread.start()
+        return self
+
+    def on_exchange(self, world: Exchanged) -> None:
+        """After every exchange, on the loop's thread: the sums so far, and who came late to the last one."""
+        with self._lock:
+            req = self.snap.requests
+            req["done"] += world.finished - world.failed
+            req["failed"] += world.failed
+            req["pending"] = world.pending + world.active
+            self.snap.weight_bytes += world.weight_bytes
+            self.snap.stall_seconds += world.stall_s
+        if world.waited_s:
+            self._name_laggards(world.waited_s)
+
+    def _name_laggards(self, waited: tuple[float, ...]) -> None:
+        limit = LAG_SHARE * self.timeout_s
+        first = max(waited)  # the first to arrive waited longest
+        for rank, wait in enumerate(waited):
+            lag = first - wait
+            if lag > limit and rank not in self._lagging:
+                self._lagging.add(rank)
+                log.warning(
+                    "rank %d reached per-pass exchange %d %.1f s after the first rank (over %.0f%% of "
+                    "--collective-timeout-s %g: at the timeout the job ends with 69)",
+                    rank, max(self.sync.all_reduces - 1, 1), lag, 100 * LAG_SHARE, self.timeout_s,
+                )  # fmt: skip
+            elif lag <= limit / 2:
+                self._lagging.discard(rank)  # caught up: a new episode may be named again
+
+    def _watch(self) -> None:
+        last_write = time.monotonic()
+        while not self._stop.wait(TICK_S):
+            self._name_long_wait()
+            if self.textfile is not None and time.monotonic() - last_write >= self.interval_s:
+                self.write()
+                last_write = time.monotonic()
+
+    def _name_long_wait(self) -> None:
+        since, count = self.sync.waiting_since, self.sync.all_reduces
+        if since is None or count == self._waited_warned:
+            return
+        waited = time.monotonic() - since
+        if waited > LAG_SHARE * self.timeout_s:
+            self._waited_warned = count
+            world = self.sync.world_size
+            who = "rank 1" if world == 2 else f"one or more of ranks 1-{world - 1}"
+            log.warning(
+                "rank 0 has waited %.0f s in pass %d's exchange for %s (at --collective-timeout-s %g the "
+                "job ends with 69)", waited, count - 1, who, self.timeout_s,
+            )  # fmt: skip
+
+    def figures(self) -> Snapshot:
+        """The snapshot as of now: per rank, seconds since it last reached the per-pass exchange."""
+        now = time.monotonic()
+        with self._lock:
+            snap = Snapshot(**{**self.snap.__dict__, "requests": dict(self.snap.requests)})
+        snap.passes, snap.und_passes = self.passes()
+        peers = now - self.sync.last_exchange
+        mine = 0.0 if self.sync.waiting_since is not None else peers
+        snap.since_progress = [mine] + [peers] * (self.sync.world_size - 1)
+        then, before = self._window
+        self._window = (now, snap.requests["done"])
+        snap.outputs_per_second = (snap.requests["done"] - before) / (now - then) if now > then else 0.0
+        return snap
+
+    def write(self) -> None:
+        try:
+            write_textfile(self.textfile, self.figures(), self.labels)
+        except OSError as exc:  # a metrics file never stops the job
+            log.warning("--metrics-textfile %s not written: %s", self.textfile, exc)
+
+    def close(self, final: dict[str, int] | None = None) -> None:
+        """Stop the thread; the last write, with the counts of the end-of-run reports when there are some."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        with self._lock:
+            if final is not None:
+                self.snap.requests.update(final)
+            self.snap.running = False
+        if self.textfile is not None:
+            self.write()
+
+
+def final_counts(ranks: list[dict]) -> dict[str, int]:
+    """The request counts of the end-of-run reports (pipeline/summary.py rank_report), exact."""
+    return {
+        "done": sum(r["ok"] for r in ranks),
+        "failed": sum(len(r["failed"]) for r in ranks),
+        "interrupted": sum(len(r["abandoned"]) + len(r["unwritten"]) for r in ranks),
+        "pending": sum(r["not_started"] for r in ranks),
+    }
+
+
+def start_monitor(cfg: RunConfig, sync: PassSync, to_do: int, skipped: int, started: float) -> JobMonitor:
+    labels = job_labels(dict(os.environ), cfg.shard)
+    textfile, interval = cfg.metrics_textfile, cfg.metrics_interval_s
+    return JobMonitor(
+        sync, cfg.collective_timeout_s, textfile, interval, labels, (to_do, skipped), started
+    ).start()

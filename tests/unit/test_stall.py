@@ -1,0 +1,89 @@
+"""A peer that stalled or died: the survivors tell it from their own crash, say where the job was, meet in
+the job's store to name the ranks that did not come, and one of them speaks (parallel/stall.py)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from cosmos3_batch.parallel.stall import DIED, STALLED, Place, peer_failure, post_mortem
+from tests.dist.jobs import free_port
+
+GLOO_TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"
+
+
+def test_a_timeout_is_a_stall_a_closed_connection_a_death_and_anything_else_our_own_crash():
+    assert peer_failure(RuntimeError(GLOO_TIMEOUT)) == STALLED
+    assert peer_failure(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")) == DIED
+    wrapped = RuntimeError("a group VAE walk broke midway, a message failed")
+    wrapped.__cause__ = RuntimeError("Connection reset by peer")
+    assert peer_failure(wrapped) == DIED
+    assert peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert peer_failure(ValueError("timed out")) is None  # only the errors a collective raises
+
+
+def test_the_place_names_the_pass_and_the_collective_from_the_trace_events():
+    place = Place(timeout_s=30)
+    assert place.describe() == "start-up"
+    place.enter("loading", 3600, "--load-timeout-s")
+    assert (place.describe(), place.timeout_flag) == ("loading", "--load-timeout-s")
+    place.enter("passes", 30, "--collective-timeout-s")
+    for event in ("all_reduce:12", "part:0.und", "part:0.gen", "all_reduce:12"):
+        place.note(event)
+    assert place.describe() == "pass 1, the per-pass exchange"
+    place.note("part:3.und")
+    assert place.describe() == "pass 1, the gather of layer 3's UND part (a prefill pass)"
+    place.note("part:3.gen")
+    assert place.describe() == "pass 1, the gather of layer 3's GEN part"
+    place.note("all_to_all:4,4:0")
+    assert place.describe() == "pass 1, an --sp all-to-all"
+    place.vae = True
+    assert place.describe() == "pass 1, a VAE group exchange"
+
+
+@pytest.fixture
+def store(monkeypatch):
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    return host
+
+
+def test_survivors_name_the_rank_that_never_came_and_exactly_one_of_them_speaks(store):
+    """World of 3: rank 1 stalled; ranks 0 and 2 time out and meet. Both name rank 1, one line is said."""
+    place = Place(stage="passes", timeout_s=5)
+    place.note("all_reduce:12")
+    verdicts = {}
+
+    def survivor(rank: int) -> None:
+        verdicts[rank] = post_mortem(rank, 3, STALLED, place, bound_s=1.0)
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert {rank: v.missing for rank, v in verdicts.items()} == {0: [1], 2: [1]}
+    assert sorted(v.speaker for v in verdicts.values()) == [False, True]
+    expected = (
+        "rank 1 did not arrive within --collective-timeout-s 5 at pass 0, the per-pass exchange (stalled: "
+        "a hung GPU, a frozen filesystem?); finished outputs are written. Requeue the job: a rerun "
+        "generates exactly the rest (exit 69)"
+    )
+    assert verdicts[0].line == verdicts[2].line == expected
+
+
+def test_a_dead_peer_and_an_unreachable_store_are_said_too(store, monkeypatch):
+    place = Place(stage="passes", timeout_s=5)
+    place.note("part:2.gen")
+    died = post_mortem(1, 2, DIED, place, bound_s=0.5)
+    assert died.missing == [0] and died.speaker
+    assert died.line.startswith("rank 0 left the job at pass 0, the gather of layer 2's GEN part (its")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens: the store's host is the stuck one
+    lost = post_mortem(1, 2, STALLED, place, bound_s=0.5)
+    assert lost.missing is None and lost.speaker and "which one is unknown" in lost.line
