@@ -124,6 +124,12 @@ def tiny_distilled_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_edge_ckpt(tmp_path_factory) -> Path:
+    """The Cosmos3-Edge backbone (`make-tiny --edge`: relu2, Nemotron norms, UND k-norm for GEN)."""
+    return write_tiny(tmp_path_factory.mktemp("ckpt-edge") / "tiny-edge", TinySpec(edge=True))
+
+
+@pytest.fixture(scope="session")
 def cond_image(tmp_path_factory) -> Path:
     # Not the output size on purpose: the pipeline resizes and centre-crops it.
     path = tmp_path_factory.mktemp("img") / "cond.png"
