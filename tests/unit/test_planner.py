@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.cli import app
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.loading import transformer_rule
 from cosmos3_batch.parallel.world import World
@@ -18,6 +21,7 @@ from cosmos3_batch.pipeline.weights import build_weights
 from cosmos3_batch.plan import planner
 from cosmos3_batch.plan.shapes import NANO_TRANSFORMER, WAN22_VAE
 from cosmos3_batch.requests.parse import parse_lines
+from tests.conftest import write_jsonl
 
 NANO = NANO_TRANSFORMER
 
@@ -159,3 +163,36 @@ def test_gpu_presets_and_flags_over_them(nano_config_only, tmp_path):
     assert faster["seconds_per_pass"] < fits["seconds_per_pass"]
     bad = invoke("plan", prompts, "--gpu", "a100")
     assert bad.exit_code == 2 and "--gpu must be one of" in bad.output
+
+
+def test_plan_sizes_distilled_and_edge_checkpoints(tmp_path, tiny_ckpt, tiny_distilled_ckpt, tiny_edge_ckpt):
+    """Super as a base and as a 4-step distilled checkpoint, Edge's relu2 backbone (plan/shapes.py): the
+    simulator runs 4 passes of one branch per distilled request where the base runs 50 of two, and an
+    Edge half-layer has no gate projection."""
+    from cosmos3_batch.plan.shapes import EDGE_TRANSFORMER, SUPER_TRANSFORMER
+
+    def folder(source: Path, name: str, config: dict) -> Path:
+        root = tmp_path / name
+        shutil.copytree(source, root, ignore=shutil.ignore_patterns("*.safetensors"))
+        (root / "transformer" / "config.json").write_text(json.dumps(config))
+        (root / "vae" / "config.json").write_text(json.dumps(WAN22_VAE))
+        return root
+
+    rows = [{"id": f"r{i}", "prompt": "x", "size": "1024x1024", "num_frames": 1} for i in range(8)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    plans = {}
+    for name, source in (("super", tiny_ckpt), ("super-4step", tiny_distilled_ckpt)):
+        model = folder(source, name, SUPER_TRANSFORMER)
+        result = CliRunner().invoke(app, ["plan", str(prompts), "--model", str(model), "--nproc", "2",
+                                          "--max-active", "4", "--json"])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(result.output)["simulation"]
+    assert (plans["super"]["passes"], plans["super"]["und_sequence_runs"]) == (50, 16)
+    assert (plans["super-4step"]["passes"], plans["super-4step"]["und_sequence_runs"]) == (4, 8)
+    edge = Checkpoint.open(folder(tiny_edge_ckpt, "edge", EDGE_TRANSFORMER))
+    shape = planner.model_shape(edge, world_size=8, fallback_dtype=torch.bfloat16)
+    # q 3072x3072, k and v 3072x1024, o 3072x3072, up and down 3072x9216 (no gate), two Nemotron norms, the
+    # UND k-norm for GEN on the GEN half only.
+    half = 2 * 3072 * 3072 + 2 * 3072 * 1024 + 2 * 3072 * 9216
+    assert min(p.nbytes for p in shape.parts) >= half * 2
+    assert max(p.nbytes for p in shape.parts) < (half + 4 * 3072 + 4 * 128) * 2 + 8 * 256
