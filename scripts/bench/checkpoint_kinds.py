@@ -57,13 +57,21 @@ def plan_rows(root: Path, requests: int, gpus: int) -> None:
         steps = 50 if model is base else 4
         moved = (est["bytes_h2d_per_pass"] + est["bytes_gathered_per_pass"]) * gpus * steps / (4 * gpus)
         figures[name] = (est["job_hours"], est["outputs_per_hour"], moved)
-        print(f"| {name} | {work} | {est['job_hours']:.2f} | {est['outputs_per_hour']:,.0f} | {moved / 1e9:.2f} |")
+        print(
+            f"| {name} | {work} | {est['job_hours']:.2f} | {est['outputs_per_hour']:,.0f} "
+            f"| {moved / 1e9:.2f} |"
+        )
     (bh, bo, bm), (dh, do, dm) = figures.values()
-    print(f"distilled / base: job hours {dh / bh:.3f}, outputs/hour {do / bo:.1f}x, bytes/output {dm / bm:.3f}")
+    print(
+        f"distilled / base: job hours {dh / bh:.3f}, outputs/hour {do / bo:.1f}x, bytes/output {dm / bm:.3f}"
+    )
 
 
 def yardstick(root: Path, count: int, repeats: int) -> None:
-    models = {"base": ensure_default_tiny(), "distilled": write_tiny(root / "y-4step", TinySpec(distilled=True))}
+    models = {
+        "base": ensure_default_tiny(),
+        "distilled": write_tiny(root / "y-4step", TinySpec(distilled=True)),
+    }
     prompts = write_prompts(root / "y.jsonl", count, {**T2I, "size": "64x64"})
     best: dict[str, tuple[float, float, float]] = {}
     for attempt in range(repeats):
@@ -89,7 +97,9 @@ def yardstick(root: Path, count: int, repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--yardstick", type=int, default=8, help="tiny requests per run (0: skip)")
