@@ -55,7 +55,7 @@ def run(ctx, batch: bool | None, fail: str | None = None) -> tuple[dict, int]:
             del ctx.split.gen_layer
             if batch:
                 apply.gen_layer_batched = real
-    return latents, errors_seen, runner.und_runs
+    return latents, errors_seen, runner.apply.und_runs
 
 
 def test_cpu_default_is_per_branch_and_batching_agrees_to_rounding(tiny_ckpt):

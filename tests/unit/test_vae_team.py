@@ -18,8 +18,8 @@ from diffusers import AutoencoderKLWan
 
 from cosmos3_batch.model.tiny import TinySpec, vae_config
 from cosmos3_batch.parallel.seq_group import SeqGroup, build_seq_group
-from cosmos3_batch.pipeline import job as job_module
 from cosmos3_batch.pipeline import runner as runner_module
+from cosmos3_batch.pipeline.drive import drive
 from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.vae_team import GroupBroken, VaeTeam
 from tests.unit.test_vae_patch import in_threads
@@ -175,5 +175,5 @@ def test_a_broken_team_is_logged_as_what_failed_on_this_rank(tmp_path, caplog):
     cfg, world = SimpleNamespace(out=tmp_path, tag=""), SimpleNamespace(distributed=True, rank=0)
     (tmp_path / ".cosmos3_batch").mkdir()  # where the pass timeline goes
     with pytest.raises(GroupBroken), caplog.at_level(logging.ERROR, logger="cosmos3_batch"):
-        job_module._drive(cfg, world, runner, [], writer, SimpleNamespace(), SimpleNamespace())
+        drive(cfg, world, runner, [], writer, SimpleNamespace(), SimpleNamespace())
     assert [r.getMessage() for r in caplog.records] == [f"the job ends: {broken}"]
