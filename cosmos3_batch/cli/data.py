@@ -67,8 +67,9 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
 ) -> None:
     """Done / failed / interrupted / pending (pending needs --input), per array task, outputs in the last
-    hour and the ETA. Reads finalized files only: safe while the job runs. Exit 0: all done; 3: not yet;
-    2: OUT holds no run or the input is unreadable."""
+    hour and the ETA; with --json also each summary file's last run (passes, bytes moved, stall). Reads
+    finalized files only: safe while the job runs. Exit 0: all done; 3: not yet; 2: OUT holds no run or the
+    input is unreadable."""
     import json
 
     from cosmos3_batch.io.status import dataset_status, describe

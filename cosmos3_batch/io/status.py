@@ -3,11 +3,14 @@
 Reads finalized files only (sidecars, shard indexes, the metrics part files whose torn last line is
 skipped), so it is safe while the job runs. Per request: done (a complete output), failed, interrupted
 (the latest record says so), or pending (in the input, no record: needs --input). The rate is the outputs
-that became final in the last hour; the ETA is what is left at that rate.
+that became final in the last hour; the ETA is what is left at that rate. With `--json`, also the figures
+the last run of each summary file ended with (`runs`): what `--metrics-textfile`'s counters end at.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -20,6 +23,9 @@ from cosmos3_batch.requests.parse import shard_index
 
 STATES = ("done", "failed", "interrupted", "pending")
 WINDOW_S = 3600.0
+# summary.json, or summary.shardIofN.json per array task (pipeline/summary.py summary_name); not a sidecar:
+# a request may be called "summary2", never "summary" (requests/fields.py RESERVED_IDS).
+SUMMARY = re.compile(r"summary(\.shard\d+of\d+)?\.json")
 
 
 def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | None = None) -> dict:
@@ -47,6 +53,7 @@ def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | Non
         "outputs_per_hour": per_hour,
         "eta_hours": 0.0 if not left else (left / per_hour if per_hour > 0 else None),
         "all_done": counts["done"] == len(known) and len(known) > 0,
+        "runs": last_runs(out),
     }
     if arrays := array_counts(out):
         count = arrays[-1]  # of several N (an array resubmitted with another COUNT): the largest one's slices
@@ -58,6 +65,29 @@ def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | Non
             for task, tally in sorted(tasks.items(), key=_task_order)
         }
     return report
+
+
+def last_runs(out: Path) -> dict[str, dict]:
+    """Per summary file in OUT, the run that wrote it last: when it started, how long it ran, and the job
+    counters `--metrics-textfile` ends with (passes, UND passes, weight bytes moved, stall seconds, requests
+    skipped as complete). A run that ended on a stalled peer wrote none: the previous run's stays."""
+    runs = {}
+    for path in sorted(p for p in out.glob("summary*.json") if SUMMARY.fullmatch(p.name)):
+        try:
+            summary = json.loads(path.read_text())
+            ranks = summary["ranks"]  # empty when the run had nothing to do
+            runs[path.name] = {
+                "started_at": summary["started_at"],
+                "wall_s": summary["wall_s"],
+                "skipped": summary["skipped_complete"],
+                "passes": ranks[0]["passes"] if ranks else 0,  # every rank runs the same passes
+                "und_passes": ranks[0]["und_passes"] if ranks else 0,
+                "weight_bytes": sum(r["h2d_bytes"] + r["gathered_bytes"] for r in ranks),
+                "stall_seconds": round(sum(r["stall_s"] for r in ranks), 6),
+            }
+        except (OSError, ValueError, KeyError, TypeError):  # not a summary this version wrote: left out
+            continue
+    return runs
 
 
 def _state(rid: str, done: dict, rows: dict) -> str:

@@ -1,6 +1,6 @@
 """`run --metrics-textfile` for real: 2 gloo ranks under `cosmos3-torchrun`, the file parsed back with
 prometheus_client's own parser while the job runs and after it ended; its counts are those of summary.json
-and of `status OUT --json` (one request fails: a directory is in the way of its PNG)."""
+and of `status OUT --json`, its `runs` too (one request fails: a directory is in the way of its PNG)."""
 
 from __future__ import annotations
 
@@ -92,4 +92,12 @@ def test_the_metrics_textfile_has_the_jobs_counts_while_it_runs_and_at_its_end(t
     assert {k: report[k] for k in ("done", "failed", "interrupted", "pending")} == {
         k: expected[k] for k in ("done", "failed", "interrupted", "pending")
     }
+    run = report["runs"]["summary.json"]  # the job's counters, from its summary: what the file ended with
+    assert (run["passes"], run["und_passes"], run["skipped"]) == (
+        value(end, "cosmos3_batch_passes_total"),
+        value(end, "cosmos3_batch_und_passes_total"),
+        value(end, "cosmos3_batch_requests", state="skipped"),
+    )
+    assert run["weight_bytes"] == value(end, "cosmos3_batch_weight_bytes_total")
+    assert run["stall_seconds"] == pytest.approx(value(end, "cosmos3_batch_stall_seconds_total"), abs=1e-3)
     print(textfile.read_text())

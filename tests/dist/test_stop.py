@@ -6,7 +6,8 @@ by themselves); a full disk (a tmpfs filled mid-run, freed before the next run).
 the last stopped. Each clean stop is checked as it happens (exit code, one line and no traceback,
 counts, lockstep); after the last rerun every request is complete exactly once, bit-exact with an
 uninterrupted run, no temporary is left and metrics.csv holds one ok row per request. The order of the
-stops and how far each run gets are drawn from a fixed seed."""
+stops and how far each run gets are drawn from a fixed seed. A stalled rank (SIGSTOP, of a plain rank and of
+one rank of an --sp group) is the chain in tests/dist/test_stall.py: each costs a collective timeout."""
 
 from __future__ import annotations
 

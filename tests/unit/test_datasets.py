@@ -27,6 +27,7 @@ from cosmos3_batch.cli import app
 from cosmos3_batch.io.dataset import Dataset, choose, parse_shard_size, write_record
 from cosmos3_batch.io.shard_index import read_indexes
 from cosmos3_batch.io.shards import ShardWriter
+from cosmos3_batch.io.status import last_runs
 from tests.conftest import write_jsonl
 from tests.unit.test_faults import fill, tmpfs
 
@@ -327,12 +328,42 @@ def test_status_and_manifest_merge_the_tasks_of_an_array(runs, tiny_ckpt, tmp_pa
     assert run(prompts, tiny_ckpt, out, "--shard", "1/2").exit_code == 0
     report = json.loads(invoke("status", out, "--input", prompts, "--json").output)
     assert report["all_done"] and report["array_tasks"]["1/2"]["done"] == len(IDS) - first
+    # Each task's last run, as its summary file has it: the counters its --metrics-textfile ends with.
+    assert sorted(report["runs"]) == ["summary.shard0of2.json", "summary.shard1of2.json"]
+    for name, figures in report["runs"].items():
+        ranks = json.loads((out / name).read_text())["ranks"]
+        assert (
+            (figures["passes"], figures["und_passes"])
+            == (ranks[0]["passes"], ranks[0]["und_passes"])
+            > (0, 0)
+        )
+        assert figures["weight_bytes"] == sum(r["h2d_bytes"] + r["gathered_bytes"] for r in ranks)
     frame = pd.read_parquet(out / "manifest.parquet")  # the last task's end merged both
     assert list(frame["id"]) == IDS and set(frame["status"]) == {"ok"}
     more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "later", "prompt": "x", "size": "32x32"}])
     assert invoke("manifest", out, "--input", more).exit_code == 0
     frame = pd.read_parquet(out / "manifest.parquet")
     assert dict(zip(frame["id"], frame["status"], strict=True))["later"] == "pending" and len(frame) == 8
+
+
+def test_status_runs_are_the_summary_files_alone(tmp_path):
+    """A request may be called "summary2" (its sidecar is summary2.json); a torn summary is left out."""
+    ranks = [{"passes": 9, "und_passes": 2, "h2d_bytes": 5, "gathered_bytes": 7, "stall_s": 0.25}] * 2
+    summary = {"started_at": "2026-01-01T00:00:00Z", "wall_s": 3.0, "skipped_complete": 1, "ranks": ranks}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "summary2.json").write_text(json.dumps({"status": "complete"}))
+    (tmp_path / "summary.shard1of4.json").write_text("{")
+    assert last_runs(tmp_path) == {
+        "summary.json": {
+            "started_at": "2026-01-01T00:00:00Z",
+            "wall_s": 3.0,
+            "skipped": 1,
+            "passes": 9,
+            "und_passes": 2,
+            "weight_bytes": 24,
+            "stall_seconds": 0.5,
+        }
+    }
 
 
 def test_status_and_manifest_refuse_a_folder_no_run_wrote_to(tmp_path):
