@@ -1,0 +1,76 @@
+"""`--cache sea`: a run's step-cache settings (DESIGN.md §19), torch-free: `plan` and the config read them.
+
+The fields, their defaults and their checks are diffusers' `SeaCacheConfig` (diffusers/hooks/sea_cache.py,
+pinned 0.42): a run with these settings equals `pipe.transformer.enable_cache(SeaCacheConfig(**fields))`.
+tests/unit/test_sea_cache.py holds the defaults and the checks equal to diffusers' own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+CACHES = ("none", "sea")
+
+# What `plan --cache sea` assumes when no --cache-reuse is given: the share of forwards reused in the
+# reference's published runs (vLLM-Omni PR #6922, Cosmos3-Nano 720p/189 frames on one GB200 at diffusers'
+# defaults: I2V 92.66 s -> 51.53 s, T2V 92.91 s -> 51.09 s, i.e. 1.80x: 1 - 1/1.8 of the forwards skipped).
+PUBLISHED_REUSE = round(1 - 1 / 1.8, 2)
+
+
+@dataclass(frozen=True)
+class SeaSettings:
+    """diffusers' `SeaCacheConfig` fields (raw_vision_callback aside: Cosmos3's built-in adapter is used)."""
+
+    threshold: float = 0.25  # accumulated relative-L1 budget: larger reuses more often
+    residual_order: int = 1  # 0: reuse the last residual; 1: extrapolate from the last two full steps
+    retention_steps: int = 1  # first steps that always run in full
+    cache_end_steps: int = 1  # last steps that always run in full
+    max_consecutive_cached: int = 2  # reuses in a row before a forced full step (0: no limit)
+    power_exp: float = 3.0  # exponent of the SEA clean-signal power prior
+
+    def __post_init__(self) -> None:
+        # The same checks, in the same order, as SeaCacheConfig.__post_init__; named by flag.
+        if not math.isfinite(self.threshold) or self.threshold < 0:
+            raise ValueError(f"--cache-threshold must be non-negative, got {self.threshold}")
+        if self.residual_order not in (0, 1):
+            raise ValueError(f"--cache-residual-order must be 0 or 1, got {self.residual_order}")
+        if self.retention_steps < 0:
+            raise ValueError(f"--cache-retention-steps must be non-negative, got {self.retention_steps}")
+        if self.cache_end_steps < 0:
+            raise ValueError(f"--cache-end-steps must be non-negative, got {self.cache_end_steps}")
+        if isinstance(self.max_consecutive_cached, bool) or self.max_consecutive_cached < 0:
+            raise ValueError(
+                f"--cache-max-consecutive must be a non-negative integer, got {self.max_consecutive_cached}"
+            )
+        if not math.isfinite(self.power_exp) or self.power_exp <= 0:
+            raise ValueError(f"--cache-power-exp must be positive, got {self.power_exp}")
+
+    def record(self) -> dict:
+        """For the sidecar and summary.json: what a comparison run must pass to SeaCacheConfig."""
+        return {"kind": "sea", **asdict(self)}
+
+    def diffusers_config(self):
+        """The `SeaCacheConfig` these settings equal (imports diffusers: the pipeline side only)."""
+        from diffusers import SeaCacheConfig
+
+        return SeaCacheConfig(**asdict(self))
+
+
+# (--cache, --cache-threshold, --cache-residual-order, --cache-retention-steps, --cache-end-steps,
+#  --cache-max-consecutive, --cache-power-exp), as the CLI passes them.
+CacheFlags = tuple[str, float, int, int, int, int, float]
+
+
+def parse_cache(flags: CacheFlags | None) -> SeaSettings | None:
+    """The settings for `--cache sea`, None for `--cache none`; ValueError naming the flag."""
+    if flags is None:
+        return None
+    kind, *fields = flags
+    if kind not in CACHES:
+        raise ValueError(f"--cache must be one of {', '.join(CACHES)}, got {kind!r}")
+    return None if kind == "none" else SeaSettings(*fields)
+
+
+def cache_record(settings: SeaSettings | None) -> dict:
+    return {"kind": "none"} if settings is None else settings.record()
