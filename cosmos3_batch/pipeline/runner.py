@@ -32,7 +32,7 @@ from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
-from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank
+from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank, tally
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
@@ -105,6 +105,7 @@ class PassRunner:
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.cache = cache  # --cache sea (pipeline/step_cache.py): a branch may reuse instead of computing
         self.skipped_passes = 0  # passes on which every branch of every rank reused: nothing fetched
+        self.forwards = [0, 0]  # branch forwards of its requests: [ran the layers, reused] (--sp: once)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         if batch_branches is None:  # batched where it keeps the bits (nowhere on CPU), else per branch
             batch_branches = batch_by_default(ctx.device, ctx.split.dtype)
@@ -296,6 +297,8 @@ class PassRunner:
             self.sync.note_world(f"part:{index}.{GEN}")
             self.apply(active, weights.layer(index, GEN), index, GEN)
         counters = Counters() if skip else weights.end_pass()
+        if self.leads:
+            self.forwards = [a + b for a, b in zip(self.forwards, tally(active), strict=True)]
         self._moved = counters
         ended = time.perf_counter()
         self.pass_s += ended - started

@@ -187,3 +187,34 @@ def stack_output(job: RequestJob, index: int, branch: BranchSeq) -> torch.Tensor
         branch.gen_hidden = branch.shard.gather(branch.gen_hidden)
     normed = job.ctx.split.final_norm(branch)
     return normed if cache is None else cache.output(index, job.step_index, normed)
+
+
+def forward_counts(cache: StepCache | None) -> dict[str, int | None]:
+    """The metrics row's two columns: forwards that ran the layers and that reused, over all branches."""
+    if cache is None:
+        return {"forwards_computed": None, "forwards_reused": None}
+    counts = cache.counts().values()
+    return {
+        "forwards_computed": sum(c["computed"] for c in counts),
+        "forwards_reused": sum(c["reused"] for c in counts),
+    }
+
+
+def cache_report(settings: SeaSettings, cache: StepCache) -> dict:
+    """The sidecar's `cache`: the settings (what SeaCacheConfig a comparison run takes), the forwards per
+    branch, and each branch's decisions by step ("C" computed, "R" reused), as the reference made them."""
+    return {
+        **settings.record(),
+        "forwards": cache.counts(),
+        "decisions": dict(zip(cache.names, cache.decisions, strict=True)),
+    }
+
+
+def tally(jobs: list[RequestJob]) -> list[int]:
+    """[branch forwards that ran the layers, that reused] for this pass's jobs still without error."""
+    ran = reused = 0
+    for job in jobs:
+        if getattr(job, "error", None) is None:
+            computed = len(computing(job))
+            ran, reused = ran + computed, reused + len(job.branches) - computed
+    return [ran, reused]

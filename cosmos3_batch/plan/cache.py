@@ -74,3 +74,26 @@ def parse_cache(flags: CacheFlags | None) -> SeaSettings | None:
 
 def cache_record(settings: SeaSettings | None) -> dict:
     return {"kind": "none"} if settings is None else settings.record()
+
+
+def check_cache(settings: SeaSettings | None, requests: list) -> None:
+    """Refuse `--cache sea` for requests diffusers never caches: its Cosmos3 adapter gates on the noisy
+    vision latents, and inverse dynamics has none (every frame is given): the reference runs each of its
+    forwards full, so a cache there would only pretend. ValueError naming the first such request."""
+    if settings is None:
+        return
+    for r in requests:
+        if r.action is not None and r.action.mode == "inverse_dynamics":
+            raise ValueError(
+                f"request {r.id!r}: --cache sea does not apply to action mode inverse_dynamics (all of its "
+                "video frames are given: diffusers' SeaCache has no noisy vision latents to gate on and "
+                "runs every forward full); run it without --cache, or in a job of its own"
+            )
+
+
+def cache_tag(settings: SeaSettings | None) -> str:
+    """The part of the output identity resume compares: outputs made with other cache settings (or none)
+    are made again, not skipped; no cache keeps the identities outputs were written with."""
+    if settings is None:
+        return ""
+    return "+sea-" + "-".join(f"{v}" for v in asdict(settings).values())
