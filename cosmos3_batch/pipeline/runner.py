@@ -63,6 +63,7 @@ class PassRecord(NamedTuple):
     stall_s: float  # compute waited for a part
     weight_bytes: int  # host->device + gathered on this rank
     fetch_skipped: bool = False  # --cache sea: no branch of any rank computed: no layer walked or fetched
+    computed: int = 0  # this rank's branches that ran the layers (fewer than its active ones' under --cache)
 
 
 class PassRunner:
@@ -297,8 +298,9 @@ class PassRunner:
             self.sync.note_world(f"part:{index}.{GEN}")
             self.apply(active, weights.layer(index, GEN), index, GEN)
         counters = Counters() if skip else weights.end_pass()
+        ran = tally(active)
         if self.leads:
-            self.forwards = [a + b for a, b in zip(self.forwards, tally(active), strict=True)]
+            self.forwards = [a + b for a, b in zip(self.forwards, ran, strict=True)]
         self._moved = counters
         ended = time.perf_counter()
         self.pass_s += ended - started
@@ -313,6 +315,7 @@ class PassRunner:
                 counters.stall_s,
                 counters.h2d_bytes + counters.gathered_bytes,
                 skip,
+                ran[0],
             )
         )
         self.passes += 1
