@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cosmos3_batch.plan.cache import PUBLISHED_REUSE, SeaSettings
+from cosmos3_batch.plan.cache import SeaSettings
 
 SEA = SeaSettings()
 
@@ -41,10 +41,3 @@ MaxConsecutive = Annotated[
     ),
 ]
 PowerExp = Annotated[float, typer.Option(help="SeaCacheConfig.power_exp: exponent of the SEA power prior.")]
-Reuse = Annotated[
-    float | None,
-    typer.Option(
-        help=f"plan --cache sea: the share of forwards reused to assume (default {PUBLISHED_REUSE}: what the "
-        "reference's published Cosmos3-Nano runs reach at the default settings)."
-    ),
-]

@@ -12,11 +12,6 @@ from dataclasses import asdict, dataclass
 
 CACHES = ("none", "sea")
 
-# What `plan --cache sea` assumes when no --cache-reuse is given: the share of forwards reused in the
-# reference's published runs (vLLM-Omni PR #6922, Cosmos3-Nano 720p/189 frames on one GB200 at diffusers'
-# defaults: I2V 92.66 s -> 51.53 s, T2V 92.91 s -> 51.09 s, i.e. 1.80x: 1 - 1/1.8 of the forwards skipped).
-PUBLISHED_REUSE = round(1 - 1 / 1.8, 2)
-
 
 @dataclass(frozen=True)
 class SeaSettings:
