@@ -9,6 +9,7 @@ from pathlib import Path
 from cosmos3_batch.checkpoint.hub import ModelSource, resolve_model
 from cosmos3_batch.engine.transport import OffloadMode, parse_offload
 from cosmos3_batch.io.dataset import FORMATS, LAYOUTS, parse_shard_size, read_record
+from cosmos3_batch.plan.cache import CacheFlags, SeaSettings, parse_cache
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.requests.fields import MAX_SAMPLES
@@ -61,6 +62,7 @@ class RunConfig:
     shard_samples: int = 0  # ... or at this many samples (0: no sample limit)
     metrics_textfile: Path | None = None  # rank 0 keeps the job's live figures here (Prometheus text format)
     metrics_interval_s: float = 15.0  # ... rewritten this often, and at the end
+    cache: SeaSettings | None = None  # --cache sea (DESIGN.md §19, plan/cache.py); None: every forward runs
 
     @property
     def tag(self) -> str:
@@ -132,11 +134,13 @@ def make_config(
     model: str | Path | None = None,
     prompts: str | Path | tuple[str, ...] = (),
     shard_size: str | None = None,
+    cache: CacheFlags | None = None,
     **flags,
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
     `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead); `model` a folder or a
-    Hugging Face repo id (resolved here, before anything loads); `shard_size` as --shard-size."""
+    Hugging Face repo id (resolved here, before anything loads); `shard_size` as --shard-size; `cache` the
+    --cache flags (plan/cache.py CacheFlags)."""
     from cosmos3_batch.plan.schedule import parse_shard
 
     try:
@@ -152,6 +156,7 @@ def make_config(
             offload=parse_offload(offload),
             shard=parsed,
             prefill=rule,
+            cache=parse_cache(cache),
             model=None if source is None else source.path,
             model_source=source,
             prompts=(str(prompts),) if isinstance(prompts, str | Path) else tuple(map(str, prompts)),

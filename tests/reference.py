@@ -94,3 +94,21 @@ def distilled_kwargs(r: Request) -> dict:
     for key in ("negative_prompt", "num_inference_steps", "guidance_scale", "enable_sound"):
         kwargs.pop(key)
     return kwargs
+
+
+def record_sea_decisions(pipe) -> dict[str, list[bool]]:
+    """Enable nothing; watch the SeaCache root hook `pipe.transformer.enable_cache(SeaCacheConfig(...))`
+    installed: every decoder-stack decision, per cache context ("cond", "uncond"), True = computed. The
+    caller clears the lists between requests."""
+    hook = pipe.transformer._diffusers_hook.get_hook("sea_cache_root")
+    decisions: dict[str, list[bool]] = {}
+    prepare = hook.prepare_decoder_stack
+
+    def watched(module, und_seq, gen_seq):
+        und_seq, gen_seq, should_compute = prepare(module, und_seq, gen_seq)
+        name = hook.state_manager._context.name
+        decisions.setdefault(name, []).append(should_compute)
+        return und_seq, gen_seq, should_compute
+
+    hook.prepare_decoder_stack = watched
+    return decisions

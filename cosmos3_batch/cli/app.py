@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+import cosmos3_batch.cli.cache as cli_cache
 import cosmos3_batch.cli.data as cli_data
 import cosmos3_batch.cli.models as cli_models
 from cosmos3_batch.plan.prefill import PrefillRule
@@ -165,6 +166,13 @@ def run(
     shard_size: cli_data.ShardSize = None,
     metrics_textfile: Annotated[Path | None, typer.Option(help=METRICS_TEXTFILE_HELP)] = None,
     metrics_interval_s: Annotated[float, typer.Option(help=METRICS_INTERVAL_HELP)] = 15.0,
+    cache: cli_cache.Cache = "none",
+    cache_threshold: cli_cache.Threshold = cli_cache.SEA.threshold,
+    cache_residual_order: cli_cache.ResidualOrder = cli_cache.SEA.residual_order,
+    cache_retention_steps: cli_cache.RetentionSteps = cli_cache.SEA.retention_steps,
+    cache_end_steps: cli_cache.EndSteps = cli_cache.SEA.cache_end_steps,
+    cache_max_consecutive: cli_cache.MaxConsecutive = cli_cache.SEA.max_consecutive_cached,
+    cache_power_exp: cli_cache.PowerExp = cli_cache.SEA.power_exp,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
     the job; 2: bad input (nothing loaded); 69: a peer rank stalled past --collective-timeout-s or died
@@ -210,7 +218,9 @@ def run(
             shard_size=shard_size,
             metrics_textfile=metrics_textfile,
             metrics_interval_s=metrics_interval_s,
-        )
+            cache=(cache, cache_threshold, cache_residual_order, cache_retention_steps, cache_end_steps,
+                   cache_max_consecutive, cache_power_exp),
+        )  # fmt: skip
     except ConfigError as exc:  # the same flags on every rank: one of them says so, once
         typer.echo(f"error: {after_rank_0(str(exc))}", err=True)
         raise typer.Exit(ExitCode.BAD_INPUT) from None

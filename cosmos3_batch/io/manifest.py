@@ -49,6 +49,7 @@ SCHEMA = pa.schema(
             pa.string(),
         ),  # JSON: files: key -> {name, bytes}; webdataset: member suffix -> [offset, bytes]
         ("rank", pa.int64()),
+        ("forwards", pa.string()),  # --cache sea, JSON: branch -> {computed, reused}; null without a cache
         ("prepare_s", pa.float64()),
         ("denoise_s", pa.float64()),
         ("decode_s", pa.float64()),
@@ -172,6 +173,7 @@ def _complete(output: Output, row: dict | None, fmt: str) -> dict:
         "output_key": record.get("output_key"),
         "files": json.dumps(record.get("files") or record.get("members") or {}, sort_keys=True),
         "rank": rank,
+        "forwards": _forwards(record.get("cache")),
         **{k: _number(timings.get(k), float) for k in TIMINGS},
         "finished_at": iso_time(output.finished),
         "error": None,
@@ -200,6 +202,12 @@ def _not_complete(rid: str, row: dict | None, request, fmt: str) -> dict:
             **{k: _number(row.get(k), float) for k in TIMINGS},
         )
     return record
+
+
+def _forwards(cache: dict | None) -> str | None:
+    """The sidecar's per-branch forwards under --cache sea, as JSON text."""
+    forwards = (cache or {}).get("forwards")
+    return None if forwards is None else json.dumps(forwards, sort_keys=True)
 
 
 def _request_columns(request: dict) -> dict:

@@ -48,6 +48,8 @@ COLUMNS = (
     "finished_at",
     "output",
     "error",
+    "forwards_computed",  # --cache sea: the request's forwards (all branches) that ran the layers ...
+    "forwards_reused",  # ... and that reused a residual instead; empty without a cache
 )
 STATE_DIR = ".cosmos3_batch"
 PART_GLOB = "metrics.*rank*.csv"

@@ -15,6 +15,7 @@ import torch
 
 from cosmos3_batch.model.batched import gen_layer_batched, row_groups, und_layer_batched
 from cosmos3_batch.model.cosmos3 import GEN, BranchSeq, Cosmos3Split
+from cosmos3_batch.pipeline.step_cache import computing
 
 if TYPE_CHECKING:
     from cosmos3_batch.pipeline.denoise import RequestJob
@@ -54,11 +55,12 @@ class PartApplier:
 
     def _apply(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
         is_last = index == self.split.num_layers - 1
+        # GEN: the branches that run the stack at this step (a reusing one leaves the batch too).
         pairs = [
             (job, branch)
             for job in jobs
             if job.error is None
-            for branch in job.branches
+            for branch in (computing(job) if part == GEN else job.branches)
             if part == GEN or branch.needs_und
         ]
         if not self.batched:

@@ -21,6 +21,7 @@ from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.parallel.sequence import check_model, shard_rows
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.samplers import make_sampler
+from cosmos3_batch.pipeline.step_cache import StepCache, stack_output
 from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class RequestJob:
         self, ctx: ModelContext, request: Request, und_cache: bool = True, sp: SeqGroup | None = None
     ):
         self.ctx = ctx
+        self.cache: StepCache | None = None  # --cache sea: set by the runner once prepared (step_cache.py)
         self.request = request
         self.und_cache = und_cache
         # --sp: every rank of the group runs this same job on its slice of the GEN rows (model/ulysses.py).
@@ -291,6 +293,8 @@ class RequestJob:
                 for s in self.streams
             ]
             hidden = torch.cat([hidden, *extra], dim=0)
+        if self.cache is not None:  # the decoder stack's input, which a reusing branch adds its residual to
+            self.cache.gen_in = hidden
         for branch in self.branches:
             # Under --sp every rank embeds the whole stream (cheap, and the same op as the reference) and
             # keeps its rows.
@@ -298,7 +302,7 @@ class RequestJob:
 
     def finish_step(self) -> None:
         """Heads, condition masks, CFG combine and this request's own scheduler step, per modality."""
-        branch_velocities = [self._velocities(branch) for branch in self.branches]
+        branch_velocities = [self._velocities(i, branch) for i, branch in enumerate(self.branches)]
         if self.cfg:
             cond, uncond = branch_velocities
             g = self.request.guidance_scale
@@ -316,11 +320,9 @@ class RequestJob:
         # Wall time from the first step to this one: the passes are shared with the other active requests.
         self.timings["denoise_s"] = time.perf_counter() - self._denoise_started
 
-    def _velocities(self, branch: BranchSeq) -> dict[str, torch.Tensor]:
+    def _velocities(self, index: int, branch: BranchSeq) -> dict[str, torch.Tensor]:
         split, layout = self.ctx.split, self.layout
-        if branch.shard is not None:  # the heads read rows by their index in the whole stream
-            branch.gen_hidden = branch.shard.gather(branch.gen_hidden)
-        normed = split.final_norm(branch)
+        normed = stack_output(self, index, branch)  # the final GEN norm's output, computed or reused
         vision = split.vision_head(
             normed, branch, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
         )

@@ -1,5 +1,5 @@
 """The run's compute dtypes (`--dtype`, `--vae-dtype`, `--fp8-compute`): checked before anything loads, and
-part of the model identity that resume compares."""
+part of the model identity that resume compares (with the --cache settings, which change the bytes too)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.loading import transformer_rule, vae_rule
+from cosmos3_batch.plan.cache import cache_tag
 
 
 def check_dtypes(cfg: RunConfig, checkpoint: Checkpoint) -> None:
@@ -33,4 +34,4 @@ def compute_tag(cfg: RunConfig, checkpoint: Checkpoint) -> str:
     if (transformer, vae) != stored:  # the defaults keep the identities outputs were written with
         names = [str(rule.compute).removeprefix("torch.") for rule in (transformer, vae)]
         tag += "+dtype-{}-vae-{}".format(*names)
-    return tag
+    return tag + cache_tag(cfg.cache)  # --cache sea changes the bytes too

@@ -31,6 +31,7 @@ class Exchanged:
     stall_s: float = 0.0  # compute waited for a layer part in the previous pass, summed over ranks
     waited_s: tuple[float, ...] = ()  # per rank: how long it waited in the previous exchange (the last to
     # arrive waited least: max(waited_s) - waited_s[r] is how far rank r lagged the first to arrive)
+    computing: int = 0  # branches of active requests that run the decoder stack this pass (--cache sea)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Figures:
     stall_s: float = 0.0  # its compute waited for parts in its last pass
 
 
-FLAGS = 7  # [active, starved, overdue, pending, needs-UND, finished, stop]
+FLAGS = 8  # [active, starved, overdue, pending, needs-UND, finished, stop, computing branches]
 FIGURES = 3  # [failed, weight bytes, stall microseconds]; then one slot per rank: its last wait, in ms
 
 
@@ -78,10 +79,12 @@ class PassSync:
         finished: int,
         stop: bool = False,
         figures: Figures = Figures(),
+        computing: int = 0,
     ) -> Exchanged:
         self.all_reduces += 1
         self.note_world(f"all_reduce:{FLAGS + FIGURES + self.world_size}")
         values = [active, slots.starved, slots.overdue, slots.pending, int(needs_und), finished, int(stop)]
+        values.append(computing)
         values += [figures.failed, figures.weight_bytes, round(figures.stall_s * 1e6)]
         waits = [0] * self.world_size
         waits[self.rank] = round(self._waited_s * 1e3)
@@ -94,11 +97,12 @@ class PassSync:
         self.last_exchange = time.monotonic()
         self._waited_s, self.waiting_since = self.last_exchange - self.waiting_since, None
         flags, (failed, moved, stall_us) = values[:FLAGS], values[FLAGS : FLAGS + FIGURES]
-        total, starved, overdue, pending, und, done, stops = flags
+        total, starved, overdue, pending, und, done, stops, computing = flags
         waited = tuple(ms / 1e3 for ms in values[FLAGS + FIGURES :])
         return Exchanged(
-            total, starved, overdue, pending, und > 0, done, stops > 0, failed, moved, stall_us / 1e6, waited
-        )
+            total, starved, overdue, pending, und > 0, done, stops > 0, failed, moved, stall_us / 1e6, waited,
+            computing=computing,
+        )  # fmt: skip
 
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")

@@ -47,6 +47,7 @@ from cosmos3_batch.pipeline.stop import StopRequest
 from cosmos3_batch.pipeline.summary import preview, rank_report
 from cosmos3_batch.pipeline.vae_team import GroupBroken, build_team
 from cosmos3_batch.pipeline.weights import build_weights, weights_report
+from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.requests.sources import STDIN, Columns
@@ -109,6 +110,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
         check_world(cfg.sp, world_size)
         check_patchable(checkpoint.config("vae"), cfg.vae_patch_parallel_size)
         check_dtypes(cfg, checkpoint)
+        check_cache(cfg.cache, requests)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
@@ -292,6 +294,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
         max_batch_rows=cfg.max_batch_rows,
         on_exchange=None if monitor is None else monitor.on_exchange,
         failures=lambda: len(writer.failed),
+        cache=cfg.cache,
     )
     final = None
     try:

@@ -23,6 +23,7 @@ from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key,
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.step_cache import cache_report, forward_counts
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.requests.parse import Request
 
@@ -208,6 +209,7 @@ class ResultWriter:
             output=output,
             error=error,
             **{k: timings.get(k) for k in ("prepare_s", "denoise_s", "decode_s", "write_s")},
+            **forward_counts(job.cache),
         )
 
     def _append_row(self, fields: dict) -> None:
@@ -277,6 +279,7 @@ class ResultWriter:
             "model_digest": self.model_identity,
             "rank": self.rank,
             "weights": self.weights,
+            **({} if job.cache is None else {"cache": cache_report(self.cfg.cache, job.cache)}),
             "versions": versions(),
         }
 

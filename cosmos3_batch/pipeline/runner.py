@@ -32,12 +32,14 @@ from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
+from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank, tally
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
     from cosmos3_batch.parallel.seq_group import SeqGroup
+    from cosmos3_batch.plan.cache import SeaSettings
     from cosmos3_batch.requests.parse import Request
 
 # on_finished(job, result, error): exactly one of result / error is set.
@@ -60,6 +62,8 @@ class PassRecord(NamedTuple):
     active: int  # requests that rode on this pass
     stall_s: float  # compute waited for a part
     weight_bytes: int  # host->device + gathered on this rank
+    fetch_skipped: bool = False  # --cache sea: no branch of any rank computed: no layer walked or fetched
+    computed: int = 0  # this rank's branches that ran the layers (fewer than its active ones' under --cache)
 
 
 class PassRunner:
@@ -80,6 +84,7 @@ class PassRunner:
         max_batch_rows: int | None = None,
         on_exchange: Callable[[Exchanged], None] | None = None,
         failures: Callable[[], int] | None = None,
+        cache: SeaSettings | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -99,6 +104,9 @@ class PassRunner:
         self.rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
+        self.cache = cache  # --cache sea (pipeline/step_cache.py): a branch may reuse instead of computing
+        self.skipped_passes = 0  # passes on which every branch of every rank reused: nothing fetched
+        self.forwards = [0, 0]  # branch forwards of its requests: [ran the layers, reused] (--sp: once)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         if batch_branches is None:  # batched where it keeps the bits (nowhere on CPU), else per branch
             batch_branches = batch_by_default(ctx.device, ctx.split.dtype)
@@ -147,6 +155,7 @@ class PassRunner:
             if self.team is not None:
                 self.team.check()  # a group decode broke on this rank: end the job (pipeline/vae_team.py)
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
+            computing = gate_rank(active)  # before any layer: which branches run the stack this pass
             report = slots.report(len(active))
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
             with self._count_lock:
@@ -156,7 +165,7 @@ class PassRunner:
             figures = Figures(failed, moved.h2d_bytes + moved.gathered_bytes, moved.stall_s)
             stop = self.stop.requested
             if self.leads:
-                world = self.sync.exchange(len(active), report, local_und, mine, stop, figures)
+                world = self.sync.exchange(len(active), report, local_und, mine, stop, figures, computing)
             else:  # the group's state is counted once, by its first rank; a signal counts from any rank
                 figures = Figures(0, figures.weight_bytes, figures.stall_s)  # its bytes are its own
                 world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, stop, figures)
@@ -179,11 +188,14 @@ class PassRunner:
             if und:
                 now, later = slots.admissions(len(active))
                 active += self._admit(now)
+                gate_rank(active)  # the requests just admitted, at their first step: forced to compute
                 prefill = self._admit(later)
-            # Start fetching the first part now, so the transfer overlaps the per-request embedding.
-            self.weights.begin_pass(und)
+            # The same decision on every rank (sums only): a pass no branch anywhere computes walks nothing.
+            skip = not und and world.active > 0 and world.computing == 0
+            if not skip:  # start fetching the first part now: the transfer overlaps the embedding
+                self.weights.begin_pass(und)
             active = self._begin(active)
-            self._pass(active, und, prefill)
+            self._pass(active, und, prefill, skip)
             slots.ready.extend(self._drop_failed(prefill))
             # The pass may have read changed bytes: its steps are taken (an --sp group's collectives stay
             # aligned) but nothing it finished is submitted; the next exchange stops every rank.
@@ -241,6 +253,8 @@ class PassRunner:
         admitted = []
         for job, error in zip(jobs, errors, strict=True):
             if error is None:
+                if self.cache is not None:
+                    job.cache = StepCache(self.cache, job, self.ctx.sampler.distilled)
                 admitted.append(job)
             else:
                 self._fail(job, error)
@@ -268,19 +282,25 @@ class PassRunner:
             ok.append(job)
         return ok
 
-    def _pass(self, active: list[RequestJob], und_flag: bool, prefill: list[RequestJob]) -> None:
+    def _pass(
+        self, active: list[RequestJob], und_flag: bool, prefill: list[RequestJob], skip: bool = False
+    ) -> None:
         """Walk the layers: UND halves (if fetched) for every branch still to prefill, the active ones and
-        those prefilled ahead; GEN halves for the active ones."""
+        those prefilled ahead; GEN halves for the branches that compute (pipeline/step_cache.computing).
+        `skip`: none computes anywhere: no layer is walked, fetched or gathered."""
         split, weights = self.ctx.split, self.weights
         started = time.perf_counter()
         prefilling = active + prefill
-        for index in range(split.num_layers):
+        for index in range(0 if skip else split.num_layers):
             if und_flag:
                 self.sync.note_world(f"part:{index}.{UND}")
                 self.apply(prefilling, weights.layer(index, UND), index, UND)
             self.sync.note_world(f"part:{index}.{GEN}")
             self.apply(active, weights.layer(index, GEN), index, GEN)
-        counters = weights.end_pass()
+        counters = Counters() if skip else weights.end_pass()
+        ran = tally(active)
+        if self.leads:
+            self.forwards = [a + b for a, b in zip(self.forwards, ran, strict=True)]
         self._moved = counters
         ended = time.perf_counter()
         self.pass_s += ended - started
@@ -294,10 +314,13 @@ class PassRunner:
                 len(active),
                 counters.stall_s,
                 counters.h2d_bytes + counters.gathered_bytes,
+                skip,
+                ran[0],
             )
         )
         self.passes += 1
         self.und_passes += und_flag
+        self.skipped_passes += skip
 
     def _account(self, riders: list[RequestJob], counters: Counters) -> None:
         self.totals.add(counters)

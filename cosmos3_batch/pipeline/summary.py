@@ -11,6 +11,7 @@ from cosmos3_batch.io.metrics import iso_time
 from cosmos3_batch.model.numerics import cpu_numerics
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.results import versions
+from cosmos3_batch.plan.cache import cache_record
 
 if TYPE_CHECKING:
     from cosmos3_batch.pipeline.job_plan import Plan
@@ -54,6 +55,9 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "compute_s": round(totals.compute_s, 6),
         "h2d_s": round(totals.h2d_s, 6),
         "stall_share": round(totals.stall_share, 6),
+        "skipped_passes": runner.skipped_passes,  # --cache sea: no branch anywhere computed, nothing fetched
+        "forwards_computed": runner.forwards[0],  # branch forwards that ran the layers (--sp: once)
+        "forwards_reused": runner.forwards[1],  # ... and that reused a cached residual
         "und_runs": runner.apply.und_runs,
         "gen_runs": runner.apply.gen_runs,
         # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
@@ -78,6 +82,7 @@ def build_summary(
         "wall_s": round(wall, 3),
         "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
         "ranks": ranks,
+        "cache": _cache_shares(ranks),
         "config": {
             "prompts": [p if p == "-" else str(Path(p).resolve()) for p in cfg.prompts],
             **(cfg.model_source.record() if cfg.model_source else {"model": str(plan.model_dir)}),
@@ -92,10 +97,27 @@ def build_summary(
             "dtype": cfg.dtype,
             "vae_dtype": cfg.vae_dtype,
             "max_batch_rows": cfg.max_batch_rows,
+            "cache": cache_record(cfg.cache),  # what SeaCacheConfig a comparison run takes
         },
         "versions": versions(),
         # On CPU the bits depend on MKL's reproducibility mode: what a comparison run must also use.
         "cpu_numerics": cpu_numerics() if world.device.type == "cpu" else None,
+    }
+
+
+def _cache_shares(ranks: list[dict]) -> dict:
+    """The share of branch forwards reused and of passes that fetched nothing (every rank has the same
+    passes, so rank 0's count is the job's)."""
+    computed = sum(r["forwards_computed"] for r in ranks)
+    reused = sum(r["forwards_reused"] for r in ranks)
+    passes, skipped = (ranks[0]["passes"], ranks[0]["skipped_passes"]) if ranks else (0, 0)
+    return {
+        "forwards_computed": computed,
+        "forwards_reused": reused,
+        "reused_share": round(reused / (computed + reused), 6) if computed + reused else 0.0,
+        "passes": passes,
+        "skipped_passes": skipped,
+        "skipped_share": round(skipped / passes, 6) if passes else 0.0,
     }
 
 

@@ -1,0 +1,220 @@
+"""`--cache sea` for one request (DESIGN.md §19): each step, per branch, run the decoder stack or reuse.
+
+diffusers' SeaCache hooks Cosmos3's `_run_decoder_stack`: its input is the embedded GEN stream, its output
+the stream after the final GEN norm. A full step records `output - input` (the residual); a reusing step
+returns `input + residual` (extrapolated at order 1) without running a layer. Here the same boundary: the
+stack input is `gen_in` (the embedded stream of the step, shared by a request's branches), the output the
+branch's `final_norm`; the head reads either.
+
+The gate reads the raw vision latents before any layer runs, so the runner evaluates every active
+request's gates before the pass's exchange (`gate_rank`), and a branch that reuses takes no part in the
+layer walk. The indicator is diffusers' own (`_build_indicator`: the SEA spectral filter over the latents
+the transformer would be given); the decision is diffusers' resolve_gate (pipeline/sea_gate.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from diffusers.hooks.sea_cache import (
+    SeaCacheContextState,
+    _build_indicator,
+    _prepare_cosmos3_raw_vision_metadata,
+    _SeaCacheForwardMetadata,
+)
+
+from cosmos3_batch.pipeline import sea_gate
+from cosmos3_batch.pipeline.sea_filter import device_indicator
+
+if TYPE_CHECKING:
+    from cosmos3_batch.model.cosmos3 import BranchSeq
+    from cosmos3_batch.plan.cache import SeaSettings
+
+
+class RequestJob(Protocol):
+    """What the cache reads of pipeline/denoise.py's RequestJob (which imports this module)."""
+
+    ctx: Any
+    latents: torch.Tensor
+    step_index: int
+    timesteps: torch.Tensor
+    scheduler: Any
+    layout: Any
+    branches: list[BranchSeq]
+    cache: StepCache | None
+
+
+BRANCH_NAMES = ("cond", "uncond")  # the reference's cache_context names, in job.branches order
+COMPUTED, REUSED = "C", "R"  # one letter per step in a branch's decision string
+
+
+class StepCache:
+    """One request's SeaCache state: per branch diffusers' context state and its decisions so far."""
+
+    def __init__(self, settings: SeaSettings, job: RequestJob, distilled: bool):
+        self.config = settings.diffusers_config()
+        scheduler = job.scheduler
+        # The step count and sigma each reference passes to cache_context: Cosmos3OmniPipeline
+        # len(timesteps), the modular (distilled) pipeline scheduler.num_inference_steps; both
+        # float(scheduler.sigmas[i]). Read to the host once here, at admission, not once per step.
+        self.steps = int(scheduler.num_inference_steps) if distilled else len(job.timesteps)
+        self.sigmas = [float(s) for s in scheduler.sigmas.tolist()]
+        self.names = BRANCH_NAMES[: len(job.branches)]
+        self.states = [SeaCacheContextState() for _ in self.names]
+        self.decisions = ["" for _ in self.names]
+        self.computes = [True for _ in self.names]  # this step's decision per branch
+        self.gen_in: torch.Tensor | None = None  # the step's stack input (the whole stream, under --sp too)
+        self.gated_step = -1  # the step whose decisions `computes` holds
+        self._indicator: torch.Tensor | None = None
+        self._asks: list[int] = []  # branches waiting for their distance this step
+        self.uses_vision = _selects_vision(job)
+
+    # ---- the gate, in two halves around the rank's one read --------------------------------------
+
+    def begin_gate(self, job: RequestJob) -> list[torch.Tensor]:
+        """The distances this step's gates need, as device scalars (none when every branch is forced)."""
+        step = job.step_index
+        self.gated_step, self._asks = step, []
+        sigma = self.sigmas[step]
+        self._open = not (self.uses_vision and sea_gate.metadata_valid(step, sigma, self.steps))
+        if self._open:  # diffusers runs such a forward full and leaves the state as it was
+            self._indicator = None
+            return []
+        self._indicator = self._build(job, step, sigma)
+        asks = []
+        for index, state in enumerate(self.states):
+            if sea_gate.needs_distance(state, step, self.steps, self._indicator is not None, self.config):
+                self._asks.append(index)
+                asks.append(sea_gate.distance_of(self._indicator, state.previous_indicator[0]))
+        return asks
+
+    def end_gate(self, step: int, distances: list[float]) -> None:
+        """Resolve this step's gates with the distances `begin_gate` asked for, in its order."""
+        assert step == self.gated_step and len(distances) == len(self._asks)
+        given = dict(zip(self._asks, distances, strict=True))
+        for index, state in enumerate(self.states):
+            if self._open:
+                self.computes[index] = True
+                continue
+            value = given.get(index)
+            gate = sea_gate.resolve(
+                state,
+                step,
+                self.sigmas[step],
+                self.steps,
+                self._indicator,
+                None if value is None else [value],
+                self.config,
+            )
+            self.computes[index] = sea_gate.reuse_or_compute(state, gate)
+        self._indicator = None
+
+    def _build(self, job: RequestJob, step: int, sigma: float) -> torch.Tensor | None:
+        """The SEA indicator of the latents the transformer would be given at this step (vision_tokens)."""
+        split = job.ctx.split
+        raw = job.latents.to(device=job.ctx.device, dtype=split.dtype).squeeze(0)
+        metadata = _SeaCacheForwardMetadata(step, sigma, self.steps, raw_vision=[raw])
+        try:
+            if raw.device.type == "cpu":
+                return _build_indicator(self.config, metadata)[0]
+            return device_indicator(raw, sigma, self.config.power_exp)  # its one host read removed
+        except (TypeError, ValueError, RuntimeError):
+            return None  # diffusers fails open: the gate is forced to compute
+
+    # ---- after the gate ---------------------------------------------------------------------------
+
+    def output(self, index: int, step: int, normed: torch.Tensor | None) -> torch.Tensor:
+        """The branch's stack output: `normed` recorded when it computed, else the reused residual added."""
+        state = self.states[index]
+        if self.computes[index]:
+            assert normed is not None
+            if not self._open:
+                sea_gate.record(state, step, normed - self.gen_in, self.config)
+            self.decisions[index] += COMPUTED
+            return normed
+        self.decisions[index] += REUSED
+        return self.gen_in + sea_gate.cached_residual(state, step, self.config)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Forwards computed and reused per branch so far (sidecar, metrics, manifest)."""
+        return {
+            name: {"computed": d.count(COMPUTED), "reused": d.count(REUSED)}
+            for name, d in zip(self.names, self.decisions, strict=True)
+        }
+
+
+def _selects_vision(job: RequestJob) -> bool:
+    """Whether diffusers' Cosmos3 adapter hands the gate any latents: only a request with noisy vision
+    frames does (inverse dynamics, all frames given, runs full at every step). Asked once, on the host."""
+    noisy = [idx.cpu() for idx in job.layout.noisy_frame_indexes]
+    latents = job.latents.detach().to("cpu", copy=False)
+    kwargs = {"vision_tokens": [latents], "vision_noisy_frame_indexes": noisy}
+    return _prepare_cosmos3_raw_vision_metadata(job.ctx.split.transformer, (), kwargs) is not None
+
+
+def gate_rank(jobs: list[RequestJob]) -> int:
+    """Resolve every job's gates for its current step; the branches that will compute, summed.
+
+    Sync point: the rank's one device-to-host read per pass, all of its gates' distances in one `.tolist()`
+    (diffusers reads each branch's with its own `float(...)`). Nothing is read on CPU, or when every gate is
+    forced (the first and last steps, a capped run of reuses)."""
+    pending = [(job, job.cache.begin_gate(job)) for job in jobs if job.cache is not None]
+    asked = [tensor for _, asks in pending for tensor in asks]
+    values = torch.stack(asked).tolist() if asked else []
+    at = 0
+    for job, asks in pending:
+        job.cache.end_gate(job.step_index, values[at : at + len(asks)])
+        at += len(asks)
+    return sum(len(computing(job)) for job in jobs)
+
+
+def computing(job: RequestJob) -> list[BranchSeq]:
+    """The branches of a job that run the decoder stack at this step: the one place that answers it."""
+    if job.cache is None:
+        return list(job.branches)
+    return [b for b, c in zip(job.branches, job.cache.computes, strict=True) if c]
+
+
+def stack_output(job: RequestJob, index: int, branch: BranchSeq) -> torch.Tensor:
+    """The branch's GEN stream after the decoder stack and the final norm, as the heads read it: run
+    (gathered first under --sp: the heads read rows by their index in the whole stream), or reused."""
+    cache = job.cache
+    if cache is not None and not cache.computes[index]:
+        branch.gen_hidden = None  # a reusing branch ran no layer: no gather (its whole group reuses alike)
+        return cache.output(index, job.step_index, None)
+    if branch.shard is not None:
+        branch.gen_hidden = branch.shard.gather(branch.gen_hidden)
+    normed = job.ctx.split.final_norm(branch)
+    return normed if cache is None else cache.output(index, job.step_index, normed)
+
+
+def forward_counts(cache: StepCache | None) -> dict[str, int | None]:
+    """The metrics row's two columns: forwards that ran the layers and that reused, over all branches."""
+    if cache is None:
+        return {"forwards_computed": None, "forwards_reused": None}
+    counts = cache.counts().values()
+    return {
+        "forwards_computed": sum(c["computed"] for c in counts),
+        "forwards_reused": sum(c["reused"] for c in counts),
+    }
+
+
+def cache_report(settings: SeaSettings, cache: StepCache) -> dict:
+    """The sidecar's `cache`: the settings (what SeaCacheConfig a comparison run takes), the forwards per
+    branch, and each branch's decisions by step ("C" computed, "R" reused), as the reference made them."""
+    return {
+        **settings.record(),
+        "forwards": cache.counts(),
+        "decisions": dict(zip(cache.names, cache.decisions, strict=True)),
+    }
+
+
+def tally(jobs: list[RequestJob]) -> list[int]:
+    """[branch forwards that ran the layers, that reused] for this pass's jobs still without error."""
+    ran = reused = 0
+    for job in jobs:
+        if getattr(job, "error", None) is None:
+            computed = len(computing(job))
+            ran, reused = ran + computed, reused + len(job.branches) - computed
+    return [ran, reused]
