@@ -54,11 +54,12 @@ class PartApplier:
 
     def _apply(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
         is_last = index == self.split.num_layers - 1
+        # GEN: the branches this step of each request runs (plan/branches.py); UND: texts still to prefill.
         pairs = [
             (job, branch)
             for job in jobs
             if job.error is None
-            for branch in job.branches
+            for branch in (job.gen_branches() if part == GEN else job.branches)
             if part == GEN or branch.needs_und
         ]
         if not self.batched:
