@@ -74,3 +74,13 @@ def transfer_plan(
 def texts_needed(plan: Sequence[StepBranches]) -> tuple[str, ...]:
     """The prompt texts whose UND K/V some step reads: cond (and its no-control twin) share one prefill."""
     return (COND, UNCOND) if any(UNCOND in step.names for step in plan) else (COND,)
+
+
+def steps_and_texts(request) -> tuple[int, int]:
+    """(passes a request rides, UND prefills it needs) for the simulator: a Transfer chain rides its steps
+    once per chunk and prefills its texts once (the chain keeps them); uncond's text is counted whenever
+    text guidance is above 1 (an interval that no timestep falls in is not seen here)."""
+    texts = 2 if request.guidance_scale > 1.0 else 1
+    if request.transfer is None:
+        return request.num_inference_steps, 1 if request.guidance_scale == 1.0 else 2
+    return request.num_inference_steps * request.transfer.num_chunks, texts
