@@ -112,3 +112,59 @@ def record_sea_decisions(pipe) -> dict[str, list[bool]]:
 
     hook.prepare_decoder_stack = watched
     return decisions
+
+
+def transfer_reference(folder, dtype: torch.dtype = torch.float32):
+    """`Cosmos3OmniModularPipeline` with `Cosmos3OmniBlocks`, its components read from the folder (the tiny
+    checkpoints have no modular index); the transformer in `dtype` as stored."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
+    from diffusers.modular_pipelines.cosmos.modular_blocks_cosmos3 import Cosmos3OmniBlocks
+    from transformers import AutoTokenizer
+
+    pipe = Cosmos3OmniBlocks().init_pipeline()
+    pipe.update_components(
+        transformer=Cosmos3OmniTransformer.from_pretrained(
+            folder, subfolder="transformer", torch_dtype=dtype
+        ),
+        vae=AutoencoderKLWan.from_pretrained(folder, subfolder="vae"),
+        text_tokenizer=AutoTokenizer.from_pretrained(folder, subfolder="text_tokenizer"),
+        scheduler=UniPCMultistepScheduler.from_pretrained(folder, subfolder="scheduler"),
+    )
+    pipe.disable_safety_checker()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def transfer_kwargs(r: Request) -> dict:
+    """The modular pipeline's Transfer call for one of our requests: the controls as frames, read straight
+    from the files (`load_video`; a still image as one RGB frame), not through our loader."""
+    spec = r.transfer
+
+    def frames(path: str) -> list:
+        if path.lower().endswith((".png", ".jpg", ".jpeg")):
+            return [Image.open(path).convert("RGB")]
+        return load_video(path)
+
+    kwargs = dict(
+        prompt=r.prompt,
+        negative_prompt=r.negative_prompt,
+        control_videos={hint: frames(path) for hint, path in spec.controls},
+        height=r.height,
+        width=r.width,
+        num_frames=r.num_frames,
+        num_video_frames_per_chunk=spec.chunk_frames,
+        num_conditional_frames=spec.conditional_frames,
+        fps=r.fps,
+        num_inference_steps=r.num_inference_steps,
+        guidance_scale=r.guidance_scale,
+        control_guidance=spec.control_guidance,
+        guidance_interval=spec.guidance_interval,
+        control_guidance_interval=spec.control_guidance_interval,
+        use_system_prompt=r.system_prompt is not False,
+    )
+    if spec.video is not None:
+        kwargs.update(
+            video=load_video(spec.video),
+            num_first_chunk_conditional_frames=spec.first_chunk_conditional_frames,
+        )
+    return kwargs

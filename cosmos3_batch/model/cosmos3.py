@@ -122,14 +122,16 @@ class Cosmos3Split:
 
     def embed_vision(
         self,
-        latents: torch.Tensor,
+        latents: torch.Tensor | list[torch.Tensor],
         timesteps: torch.Tensor,
         token_shapes: list[tuple[int, int, int]],
         noisy_frame_indexes: list[torch.Tensor],
     ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """Patchify + proj_in + timestep embedding: the GEN stream input, shared by a request's branches."""
+        """Patchify + proj_in + timestep embedding: the GEN stream input, shared by a request's branches.
+        A list packs several vision items in order (Transfer: [controls..., target])."""
         t = self.transformer
-        packed, original_shapes = t._patchify_and_pack_latents([latents])
+        items = latents if isinstance(latents, list) else [latents]
+        packed, original_shapes = t._patchify_and_pack_latents(items)
         packed = t.proj_in(packed)
         time_dtype = next(t.time_embedder.parameters()).dtype
         embeds = t.time_embedder(t.time_proj(timesteps * self.config.timestep_scale).to(time_dtype))
@@ -217,7 +219,7 @@ class Cosmos3Split:
             noisy_frame_indexes_vision=noisy_frame_indexes,
             original_latent_shapes=original_shapes,
         )
-        return preds[0]
+        return preds[-1]  # the last item: the target (Transfer packs its clean controls before it)
 
 
 # ---- how a layer splits into the two parts the engine fetches separately ----------------------------

@@ -74,3 +74,29 @@ def tokenize(helper, r: Request) -> tuple[list[int], list[int]]:
         add_resolution_template=r.use_resolution_template,
         add_duration_template=r.use_duration_template,
     )
+
+
+# Cosmos3TransferTextStep's own system prompt (diffusers' modular_pipelines/cosmos/encoders.py): Transfer
+# conditions on control signals, so it does not use the image/video ones.
+TRANSFER_SYSTEM_PROMPT = (
+    "You are a helpful assistant that generates images or videos following the user's instructions"
+    " and control signals (edge maps, blur, depth, or segmentation)."
+)
+
+
+def tokenize_transfer(helper, r: Request) -> tuple[list[int], list[int]]:
+    """(cond, uncond) token ids as Cosmos3TransferTextStep makes them: prompts verbatim (no templates), its
+    system prompt unless `system_prompt` is false, and "" for an absent negative prompt."""
+    special = helper.llm_special_tokens
+
+    def ids(text: str) -> list[int]:
+        conversation = (
+            [] if r.system_prompt is False else [{"role": "system", "content": TRANSFER_SYSTEM_PROMPT}]
+        )
+        conversation.append({"role": "user", "content": text})
+        encoding = helper.text_tokenizer.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=True, add_vision_id=False, return_dict=True
+        )
+        return [*encoding.input_ids, special["eos_token_id"], special["start_of_generation"]]
+
+    return ids(r.prompt), ids(r.negative_prompt if r.negative_prompt is not None else "")

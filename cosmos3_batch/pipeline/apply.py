@@ -55,7 +55,8 @@ class PartApplier:
 
     def _apply(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
         is_last = index == self.split.num_layers - 1
-        # GEN: the branches that run the stack at this step (a reusing one leaves the batch too).
+        # GEN: the branches that run the stack at this step (step_cache.computing: the step's branches,
+        # plan/branches.py, less those that reuse, which leave the batch too); UND: texts still to prefill.
         pairs = [
             (job, branch)
             for job in jobs

@@ -101,6 +101,10 @@ class RequestJob:
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 
+    def gen_branches(self) -> list[BranchSeq]:
+        """The sequences this step runs through the GEN halves (cond, and uncond under CFG: every step)."""
+        return self.branches
+
     # ---- admission ---------------------------------------------------------------------------------
 
     def load_inputs(self) -> None:

@@ -34,6 +34,7 @@ from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank, tally
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
+from cosmos3_batch.pipeline.transfer import job_class
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
@@ -227,7 +228,10 @@ class PassRunner:
             self.on_progress(1)
 
     def _admit(self, requests: list[Request]) -> list[RequestJob]:
-        jobs = [RequestJob(self.ctx, request, und_cache=self.und_cache, sp=self.sp) for request in requests]
+        jobs = [
+            job_class(request)(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
+            for request in requests
+        ]
         if self.team is not None:  # the group encodes together: agree on the files first
             agree_inputs(jobs, self.sp)
         errors = []

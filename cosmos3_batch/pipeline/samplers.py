@@ -23,13 +23,15 @@ from cosmos3_batch.pipeline import sync_free
 
 
 class UniPCSampler:
-    def __init__(self, ctx, request):
+    def __init__(self, ctx, request, native_schedule: bool | None = None):
+        """`native_schedule`: None = the checkpoint's `use_native_flow_schedule` (Transfer's chunks never
+        use it: Cosmos3TransferSetTimestepsStep calls plain `set_timesteps`)."""
         from diffusers import UniPCMultistepScheduler
 
         overrides = {} if request.flow_shift is None else {"flow_shift": request.flow_shift}
         scheduler = UniPCMultistepScheduler.from_config(ctx.scheduler_config, **overrides)
         steps = request.num_inference_steps
-        if ctx.use_native_flow_schedule:
+        if ctx.use_native_flow_schedule if native_schedule is None else native_schedule:
             train = scheduler.config.num_train_timesteps
             sigmas = np.linspace(1.0 - 1.0 / train, 0.0, steps + 1)[:-1]
             scheduler.set_timesteps(steps, device=ctx.device, sigmas=sigmas)

@@ -42,6 +42,8 @@ class RequestJob(Protocol):
     scheduler: Any
     layout: Any
     branches: list[BranchSeq]
+
+    def gen_branches(self) -> list[BranchSeq]: ...
     cache: StepCache | None
 
 
@@ -172,7 +174,7 @@ def gate_rank(jobs: list[RequestJob]) -> int:
 def computing(job: RequestJob) -> list[BranchSeq]:
     """The branches of a job that run the decoder stack at this step: the one place that answers it."""
     if job.cache is None:
-        return list(job.branches)
+        return list(job.gen_branches())
     return [b for b, c in zip(job.branches, job.cache.computes, strict=True) if c]
 
 

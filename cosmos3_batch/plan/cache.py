@@ -78,6 +78,11 @@ def check_cache(settings: SeaSettings | None, requests: list) -> None:
     if settings is None:
         return
     for r in requests:
+        if getattr(r, "transfer", None) is not None:  # not yet: Transfer's up to three branches per step
+            raise ValueError(
+                f"request {r.id!r}: --cache sea is not combined with Transfer yet (its branches per step "
+                "switch by interval; the cache gates cond and uncond only); run Transfer without --cache"
+            )
         if r.action is not None and r.action.mode == "inverse_dynamics":
             raise ValueError(
                 f"request {r.id!r}: --cache sea does not apply to action mode inverse_dynamics (all of its "

@@ -22,6 +22,7 @@ from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
+from cosmos3_batch.plan.branches import steps_and_texts
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
     decode_bytes,
@@ -234,10 +235,7 @@ def simulate_job(
         gen = [p for p in shape.parts if p.key.endswith(GEN)]
         und = [p for p in shape.parts if not p.key.endswith(GEN)]
         parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
-    sim_queues = [
-        [SimRequest(r.id, r.num_inference_steps, 1 if r.guidance_scale == 1.0 else 2) for r in queue]
-        for queue in queues
-    ]
+    sim_queues = [[SimRequest(r.id, *steps_and_texts(r)) for r in queue] for queue in queues]
     return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))
 
 

@@ -25,7 +25,8 @@ ALLOWED_KEYS = (
     "id", "prompt", "negative_prompt", "size", "width", "height", "num_frames", "fps",
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
     "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
-    "action", "samples",
+    "action", "samples", "control", "control_guidance", "guidance_interval", "control_guidance_interval",
+    "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames",
 )  # fmt: skip
 # `"samples": N` fans one request out into N (DESIGN.md §13); bounded so a typo cannot queue a million.
 MAX_SAMPLES = 10_000
@@ -326,9 +327,12 @@ def check_image(out: LineErrors, obj: JsonObject, base_dir: str | None, num_fram
     return path
 
 
-def check_extra_params(out: LineErrors, obj: JsonObject) -> dict[str, bool]:
+def check_extra_params(out: LineErrors, obj: JsonObject, transfer: bool = False) -> dict[str, bool]:
+    """`transfer`: the reference's Transfer text step takes prompts verbatim, so its templates are off."""
     value = _get(obj, "extra_params")
     flags = dict(EXTRA_PARAMS_DEFAULTS)
+    if transfer:
+        flags.update(use_resolution_template=False, use_duration_template=False)
     if value is not _ABSENT and not isinstance(value, dict):
         out.add("extra_params", f"must be an object, got {describe(value)}")
     elif value is not _ABSENT:
@@ -339,6 +343,8 @@ def check_extra_params(out: LineErrors, obj: JsonObject) -> dict[str, bool]:
                 out.add(f"extra_params.{key}", f"unknown key; allowed: {', '.join(EXTRA_PARAMS_DEFAULTS)}")
             elif not isinstance(flag, bool):
                 out.add(f"extra_params.{key}", f"must be true or false, got {describe(flag)}")
+            elif transfer and flag and key != "guardrails":
+                out.add(f"extra_params.{key}", "Transfer takes its prompt verbatim (no templates)")
             else:
                 flags[key] = flag
     if flags.pop("guardrails"):

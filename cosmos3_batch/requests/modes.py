@@ -73,12 +73,19 @@ def probe_video(path: str) -> str | None:
     A full decode rather than a header read: a clip cut off mid-stream must stop the job here, not after the
     weights are loaded.
     """
+    return count_frames(path)[1]
+
+
+def count_frames(path: str) -> tuple[int | None, str | None]:
+    """(frames, None) for a usable clip, decoded as `probe_video` decodes it; else (None, why not)."""
+    if not os.path.isfile(path):
+        return None, "not found"
     try:
         if path.endswith(".gif"):  # load_video reads GIFs with PIL, everything else with imageio
             count, mode = _gif_frames(path)
             if mode != "RGB":
                 # load_video keeps GIF frames in their own mode; the pipeline's preprocessing needs RGB.
-                return f"has {mode!r} frames; the pipeline needs RGB frames (convert the clip to MP4)"
+                return None, f"has {mode!r} frames; the pipeline needs RGB frames (convert the clip to MP4)"
         else:
             import imageio
 
@@ -86,10 +93,10 @@ def probe_video(path: str) -> str | None:
                 count = sum(1 for _ in reader)
     except Exception as exc:  # imageio/ffmpeg/PIL report bad files with many exception types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"is not a readable video ({type(exc).__name__}: {_show(first)})"
+        return None, f"is not a readable video ({type(exc).__name__}: {_show(first)})"
     if count == 0:
-        return "has no frames"
-    return None
+        return None, "has no frames"
+    return count, None
 
 
 def _gif_frames(path: str) -> tuple[int, str]:

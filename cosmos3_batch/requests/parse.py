@@ -40,6 +40,7 @@ from cosmos3_batch.requests.fields import (
 )
 from cosmos3_batch.requests.modes import check_distilled, check_sound, check_system_prompt, check_video
 from cosmos3_batch.requests.sources import ALL_NAMED, Columns, Source, expand, jsonl_items, read_source
+from cosmos3_batch.requests.transfer import TransferSpec, check_transfer_request, has_transfer, stray_fields
 
 __all__ = ["DEFAULT_FPS", "DEFAULT_GUIDANCE", "ModelLimits", "Request", "RequestError", "RequestFileError"]
 
@@ -70,11 +71,14 @@ class Request:
     system_prompt: bool | None = None  # None = the checkpoint's default_use_system_prompt
     sound: bool = False  # joint audio: <id>.wav and an AAC track in <id>.mp4
     action: ActionSpec | None = None  # forward/inverse dynamics, policy (conditioned on image or video)
+    transfer: TransferSpec | None = None  # control-conditioned generation (requests/transfer.py)
     source: str = ""  # the file it came from ("<stdin>" for standard input); not part of its record
     unit: str = "line"  # what `line` counts there: line, item (JSON array) or row (Parquet)
 
     @property
     def kind(self) -> str:
+        if self.transfer is not None:
+            return "transfer"
         if self.action is not None:
             return f"{self.action.mode}+sound" if self.sound else self.action.mode
         if self.num_frames == 1:
@@ -92,6 +96,8 @@ class Request:
         fields = {name: getattr(self, name) for name in _RECORDED}
         if self.action is not None:
             fields["action"] = dataclasses.asdict(self.action)
+        if self.transfer is not None:
+            fields["transfer"] = dataclasses.asdict(self.transfer)
         for key, unused in _MODE_FIELDS.items():
             if fields[key] is unused:
                 del fields[key]
@@ -111,6 +117,7 @@ _MODE_FIELDS = {
     "system_prompt": None,
     "sound": False,
     "action": None,
+    "transfer": None,
 }
 
 
@@ -266,9 +273,13 @@ def _validate_object(
     check_samples(out, obj)
     request_id = check_id(out, obj, line)
     prompts = check_prompts(out, obj)
-    if has_action(obj):  # size and frame count come from the action's tier and chunk size
+    transfer = has_transfer(obj)
+    if transfer:  # frame count from the controls; prompts verbatim, no templates (requests/transfer.py)
+        media, num_frames = check_transfer_request(out, obj, base_dir, limits)
+    elif has_action(obj):  # size and frame count come from the action's tier and chunk size
         media, num_frames = check_action_request(out, obj, base_dir, limits)
     else:
+        stray_fields(out, obj)
         num_frames = check_frames(out, obj, limits)
         media = {
             **check_size(out, obj, limits, num_frames),
@@ -283,9 +294,9 @@ def _validate_object(
         **media,
         **numbers,
         "system_prompt": check_system_prompt(out, obj),
-        **check_extra_params(out, obj),
+        **check_extra_params(out, obj, transfer),
     }
-    if not out.errors and num_frames is not None:
+    if not out.errors and num_frames is not None and not transfer:  # Transfer counts per chunk
         # An action request's size comes from its tier and chunk size: the budget names the action.
         where = "action" if values.get("action") is not None else None
         check_budget(out, limits, values["width"], values["height"], num_frames, where)

@@ -24,11 +24,15 @@ from cosmos3_batch.requests.fields import JsonObject, NonFinite, describe
 
 STDIN = "-"
 INT_FIELDS = frozenset(
-    {"width", "height", "num_frames", "num_inference_steps", "seed", "max_sequence_length", "samples"}
-)
-FLOAT_FIELDS = frozenset({"fps", "guidance_scale", "flow_shift"})
+    {"width", "height", "num_frames", "num_inference_steps", "seed", "max_sequence_length", "samples",
+     "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames"}
+)  # fmt: skip
+FLOAT_FIELDS = frozenset({"fps", "guidance_scale", "flow_shift", "control_guidance"})
 BOOL_FIELDS = frozenset({"system_prompt", "sound"})
-JSON_FIELDS = frozenset({"action", "extra_params", "condition_frames"})  # JSON text in a CSV cell
+JSON_FIELDS = frozenset(  # JSON text in a CSV cell
+    {"action", "extra_params", "condition_frames", "control"}
+    | {"guidance_interval", "control_guidance_interval"}
+)
 _TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
 
 

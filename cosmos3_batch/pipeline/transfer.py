@@ -1,0 +1,301 @@
+"""A Transfer request's state machine (DESIGN.md §17): a chain of chunks, each denoised with the branches
+its step asks for (plan/branches.py), as `Cosmos3OmniModularPipeline` runs `Cosmos3OmniBlocks` with
+`control_videos`.
+
+The layers see ordinary `BranchSeq`s. Two texts are prefilled (cond, and uncond when text guidance is ever
+on); the GEN branches (cond over [controls..., target], cond over [target], uncond over [controls...,
+target]) read the K/V list of their text's UND branch, so cond and its no-control twin share one prefill.
+A step hands the layers only its own branches (`gen_branches`). Between chunks the chain decodes its chunk
+and encodes the next one's inputs on its own rank; the text K/V stay (the texts do not change).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cosmos3_batch.model.cosmos3 import BranchSeq
+from cosmos3_batch.model.prompts import tokenize_transfer
+from cosmos3_batch.pipeline import transfer_chunks as chunks
+from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob, Result, VisionLayout
+from cosmos3_batch.pipeline.samplers import UniPCSampler
+from cosmos3_batch.plan.branches import (
+    COND,
+    COND_NO_CONTROL,
+    UNCOND,
+    StepBranches,
+    texts_needed,
+    transfer_plan,
+)
+
+
+@dataclass
+class _Text:
+    segment: dict  # the reference's text segment (input ids, und_len, mRoPE ids, vision offset)
+    seq: BranchSeq  # its UND branch: the K/V every GEN branch of this text reads
+
+
+@dataclass
+class GenBranch:
+    seq: BranchSeq
+    layout: VisionLayout
+    full: bool  # over [controls..., target]; else the target alone
+
+
+class TransferJob(RequestJob):
+    @property
+    def done(self) -> bool:
+        return self.chunk_id == self.spec.num_chunks - 1 and self.step_index >= len(self.timesteps)
+
+    @property
+    def last_step(self) -> bool:
+        return self.chunk_id == self.spec.num_chunks - 1 and self.step_index + 1 >= len(self.timesteps)
+
+    @property
+    def needs_encode(self) -> bool:
+        return True
+
+    @property
+    def spec(self):
+        return self.request.transfer
+
+    def gen_branches(self) -> list[BranchSeq]:
+        return [self.gen[name].seq for name in self.plan[self.step_index].names]
+
+    # ---- admission ---------------------------------------------------------------------------------
+
+    def load_inputs(self) -> None:
+        """Read the controls (and the seed video) now; a failure is kept for `prepare`."""
+        from diffusers.utils import load_video
+
+        try:
+            controls = [chunks.load_control(path) for _, path in self.spec.controls]
+            video = load_video(self.spec.video) if self.spec.video is not None else None
+            self._inputs = (controls, video)
+        except Exception as exc:
+            self.input_error = f"{type(exc).__name__}: {exc}"
+
+    def prepare(self) -> None:
+        if self._inputs is None:
+            self.load_inputs()
+        if self.input_error is not None:
+            raise RequestFailed(self.input_error)
+        if self.sp is not None or self.ctx.vae_team is not None:
+            raise RequestFailed("Transfer does not run under --sp or --vae-patch-parallel-size yet")
+        start = time.perf_counter()
+        r, ctx = self.request, self.ctx
+        self.generator = torch.Generator("cpu").manual_seed(r.seed)
+        length = max(r.num_frames, self.spec.chunk_frames)
+        dtype = ctx.split.dtype  # the setup step casts the controls to the transformer's dtype
+        size = (r.height, r.width)
+        self.controls = chunks.prepare_controls(ctx.helper, self._inputs[0], size, dtype, ctx.device, length)
+        self.pieces: list[torch.Tensor] = []
+        self.chunk_latents: list[torch.Tensor] = []
+        self.previous: torch.Tensor | None = None
+        self.chunk_id = 0
+        self._start_chunk()
+        cond_ids, uncond_ids = tokenize_transfer(ctx.helper, r)
+        ids = {COND: cond_ids, UNCOND: uncond_ids}
+        self.texts = {name: self._text(ids[name]) for name in texts_needed(self.plan)}
+        self.branches = [text.seq for text in self.texts.values()]  # the UND prefills
+        self.tokens = sum(len(ids[name]) for name in self.texts)
+        self._build_branches()
+        self.timings["prepare_s"] = time.perf_counter() - start
+
+    def _start_chunk(self) -> None:
+        """Encode this chunk's control window and seeded target, draw its noise, reset its scheduler."""
+        r, ctx, spec = self.request, self.ctx, self.spec
+        vae_dtype = ctx.vae.dtype
+        if self.chunk_id == 0:
+            video = self._inputs[1]
+            seed = None
+            if video is not None and spec.first_chunk_conditional_frames > 0:
+                seed = ctx.helper.video_processor.preprocess_video(video, height=r.height, width=r.width)
+            frames, tail = spec.first_chunk_conditional_frames, False
+        else:
+            seed, frames, tail = self.previous, spec.conditional_frames, True
+        size = (r.height, r.width)
+        target, current = chunks.seed_target(
+            spec.chunk_frames, size, vae_dtype, ctx.device, seed, frames, tail
+        )
+        window = (self.chunk_id * spec.stride, spec.chunk_frames, r.num_frames)
+        with ctx.encode_lock:
+            controls, x0 = chunks.chunk_inputs(ctx.encode_helper, self.controls, target, window)
+        temporal = int(ctx.vae.config.scale_factor_temporal)
+        latents, mask, clean, indexes = chunks.chunk_noise(x0, current, temporal, self.generator, ctx.device)
+        self.state = chunks.ChunkState(controls, latents, mask, clean, indexes, current)
+        self.latents = latents
+        # Cosmos3TransferSetTimestepsStep: set_timesteps on the pipeline's scheduler, per chunk, never the
+        # native flow schedule; a fresh scheduler per chunk is the same state.
+        self.sampler = UniPCSampler(ctx, r, native_schedule=False)
+        self.scheduler = self.sampler.scheduler
+        self.timesteps = self.scheduler.timesteps
+        self._timestep_values = self.timesteps.tolist()
+        self.plan: list[StepBranches] = transfer_plan(
+            self._timestep_values,
+            r.guidance_scale,
+            spec.control_guidance,
+            spec.guidance_interval,
+            spec.control_guidance_interval,
+        )
+        self.step_index = 0
+
+    def _text(self, input_ids: list[int]) -> _Text:
+        """A text's UND branch; its rotary comes from its first GEN sequence (`_build_branches`)."""
+        ctx = self.ctx
+        segment = ctx.helper._prepare_text_segment(input_ids, device=ctx.device)
+        hidden = ctx.split.embed_text(segment["input_ids"], ctx.device)
+        seq = BranchSeq(und_hidden=hidden, text_hidden=hidden, rot_und=None, rot_gen=None, mse_rows=None)
+        return _Text(segment, seq)
+
+    def _build_branches(self) -> None:
+        """The GEN sequences of this chunk's steps, as Cosmos3TransferPackSequenceStep packs them."""
+        wanted = {name for step in self.plan for name in step.names}
+        self.gen: dict[str, GenBranch] = {}
+        for name, text, full in ((COND, COND, True), (COND_NO_CONTROL, COND, False), (UNCOND, UNCOND, True)):
+            if name in wanted:
+                self.gen[name] = self._pack(self.texts[text], full)
+
+    def _pack(self, text: _Text, full: bool) -> GenBranch:
+        ctx, state = self.ctx, self.state
+        segment = text.segment
+        items = [*state.control_latents, self.latents] if full else [self.latents]
+        clean = [True] * (len(items) - 1) + [False]
+        offset, curr = segment["vision_start_temporal_offset"], segment["und_len"]
+        shapes, noisy, mse, mrope, noisy_tokens = [], [], [], [segment["text_mrope_ids"]], 0
+        for item, is_clean in zip(items, clean, strict=True):
+            frames = list(range(item.shape[2])) if is_clean else state.condition_indexes
+            part = ctx.helper._prepare_vision_segment(
+                input_vision_tokens=item,
+                has_image_condition=False,
+                mrope_offset=offset,
+                vision_fps=self.request.fps,
+                curr=curr,
+                device=ctx.device,
+                condition_frame_indexes=frames,
+            )
+            shapes += part["vision_token_shapes"]
+            noisy += part["vision_noisy_frame_indexes"]
+            mse.append(part["vision_mse_loss_indexes"])
+            mrope.append(part["vision_mrope_ids"])
+            noisy_tokens += part["num_noisy_vision_tokens"]
+            curr += part["num_vision_tokens"]
+        und_len = segment["und_len"]
+        rot_und, rot_gen = ctx.split.rotary(torch.cat(mrope, dim=1), und_len, ctx.device)
+        if text.seq.rot_und is None:
+            text.seq.rot_und = rot_und
+        seq = BranchSeq(
+            und_hidden=None,
+            text_hidden=text.seq.text_hidden,
+            rot_und=rot_und,
+            rot_gen=rot_gen,
+            mse_rows=torch.cat(mse) - und_len,
+            und_kv=text.seq.und_kv,  # the same list: filled once by the text's UND prefill
+        )
+        return GenBranch(seq, VisionLayout(shapes, noisy, noisy_tokens), full)
+
+    # ---- one denoising step ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Embed [controls..., target] and, for the no-control branch, [target] alone at this timestep."""
+        if self.step_index == 0 and self.chunk_id == 0:
+            self._denoise_started = time.perf_counter()
+        split, device = self.ctx.split, self.ctx.device
+        value = self._timestep_values[self.step_index]
+        target = self.latents.to(device=device, dtype=split.dtype)
+        controls = [c.to(device=device, dtype=split.dtype) for c in self.state.control_latents]
+        hidden: dict[bool, tuple[torch.Tensor, list]] = {}  # by "over the controls too"
+        for name in self.plan[self.step_index].names:
+            branch = self.gen[name]
+            if branch.full not in hidden:
+                layout = branch.layout
+                timesteps = torch.full((layout.num_noisy_tokens,), value, device=device)
+                items = [*controls, target] if branch.full else [target]
+                hidden[branch.full] = split.embed_vision(
+                    items, timesteps, layout.token_shapes, layout.noisy_frame_indexes
+                )
+            branch.seq.gen_hidden, branch.layout.original_shapes = hidden[branch.full]
+
+    def finish_step(self) -> None:
+        """Heads, the nested control/text combine, the scheduler step and the re-pin of conditioned frames."""
+        step = self.plan[self.step_index]
+        split = self.ctx.split
+        preds = {}
+        for name in step.names:
+            branch = self.gen[name]
+            layout = branch.layout
+            normed = split.final_norm(branch.seq)
+            preds[name] = split.vision_head(
+                normed, branch.seq, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
+            ).float()
+        velocity = combine(preds, step) * self.state.velocity_mask
+        t = self.timesteps[self.step_index]
+        latents = self.sampler.step(velocity, t, self.latents, self.step_index)
+        mask = self.state.velocity_mask
+        self.latents = mask * latents + (1.0 - mask) * self.state.condition_latents
+        self.step_index += 1
+        if not self.und_cache:
+            self._forget_und()
+        self.timings["denoise_s"] = time.perf_counter() - self._denoise_started
+        if self.step_index >= len(self.timesteps) and self.chunk_id < self.spec.num_chunks - 1:
+            self._next_chunk()
+
+    def _forget_und(self) -> None:
+        """The --no-und-cache ablation: the texts' K/V are recomputed next pass, the branches relinked."""
+        for text in self.texts.values():
+            text.seq.reset_und()
+        for name, branch in self.gen.items():
+            branch.seq.und_kv = self.texts[UNCOND if name == UNCOND else COND].seq.und_kv
+
+    def _next_chunk(self) -> None:
+        """Decode this chunk, keep its piece, seed the next one with its tail and encode that one's inputs.
+        On this rank, between passes: the chain's generator and scheduler state live here."""
+        started = time.perf_counter()
+        self.previous = self._decode_chunk()
+        self.chunk_id += 1
+        self._start_chunk()
+        self._build_branches()
+        self.timings["decode_s"] += time.perf_counter() - started
+
+    def _decode_chunk(self) -> torch.Tensor:
+        if not torch.isfinite(self.latents).all():
+            raise RequestFailed(f"chunk {self.chunk_id}: latents contain NaN or inf; nothing was written")
+        with self.ctx.vae_lock:
+            pixels = chunks.decode_chunk(self.ctx.helper, self.ctx.vae, self.latents)
+        self.chunk_latents.append(self.latents.cpu())
+        self.pieces.append(pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :])
+        return pixels
+
+    # ---- finish ------------------------------------------------------------------------------------
+
+    def decode(self) -> Result | None:
+        """The last chunk decoded and every chunk stitched; latents: every chunk's, [chunks, C, T, H, W]."""
+        start = time.perf_counter()
+        self.branches, self.gen = [], {}
+        self._decode_chunk()
+        frames = chunks.stitch(self.ctx.helper, self.pieces, self.request.num_frames)
+        self.timings["decode_s"] += time.perf_counter() - start
+        return Result(latents=torch.cat(self.chunk_latents, dim=0), frames=frames)
+
+
+def job_class(request) -> type[RequestJob]:
+    """The state machine a request runs as: Transfer's chunk chain, or the one-segment job."""
+    return TransferJob if request.transfer is not None else RequestJob
+
+
+def combine(preds: dict[str, torch.Tensor], step: StepBranches) -> torch.Tensor:
+    """Cosmos3TransferLoopDenoiser's nested guidance: the control axis inside the text axis."""
+    cond = preds[COND]
+    if COND_NO_CONTROL in step.names and UNCOND in step.names:
+        no_control, uncond = preds[COND_NO_CONTROL], preds[UNCOND]
+        control_cond = no_control + step.control_scale * (cond - no_control)
+        return uncond + step.text_scale * (control_cond - uncond)
+    if COND_NO_CONTROL in step.names:
+        no_control = preds[COND_NO_CONTROL]
+        return no_control + step.control_scale * (cond - no_control)
+    if UNCOND in step.names:
+        uncond = preds[UNCOND]
+        return uncond + step.text_scale * (cond - uncond)
+    return cond

@@ -1,0 +1,86 @@
+"""Which forwards a request runs at each denoising step: the one place the engine, `plan` and the tests ask.
+
+- T2I/T2V/I2V/V2V, sound, actions: cond, plus uncond when `guidance_scale != 1` (the same every step).
+- Transfer (DESIGN.md §17, `Cosmos3TransferLoopDenoiser`): cond over [controls..., target] always; cond over
+  [target] alone while control guidance is active and not 1; uncond over [controls..., target] while text
+  guidance is active and above 1. A guidance interval `[lo, hi]` (timesteps, inclusive) switches its axis;
+  outside it the scale is 1, which turns the branch off.
+
+Branch names are the reference's cache-context names. Torch-free: the simulator counts with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+COND, UNCOND = "cond", "uncond"
+COND_NO_CONTROL = "cond_no_control"  # Transfer: the target without its controls (the control axis)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBranches:
+    """One step's forwards and the scales that combine them."""
+
+    names: tuple[str, ...]  # in the reference's forward order
+    text_scale: float  # guidance_scale inside its interval, else 1.0
+    control_scale: float  # control_guidance inside its interval, else 1.0 (Transfer only)
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+def _active(interval: tuple[float, float] | None, t: float) -> bool:
+    return interval is None or float(interval[0]) <= float(t) <= float(interval[1])
+
+
+def transfer_step(
+    t: float,
+    guidance_scale: float,
+    control_guidance: float,
+    guidance_interval: tuple[float, float] | None,
+    control_interval: tuple[float, float] | None,
+) -> StepBranches:
+    """The Transfer forwards at timestep `t`, decided exactly as Cosmos3TransferLoopDenoiser decides."""
+    text = guidance_scale if _active(guidance_interval, t) else 1.0
+    control = control_guidance if _active(control_interval, t) else 1.0
+    names = [COND]
+    if control != 1.0:
+        names.append(COND_NO_CONTROL)
+    if text > 1.0:
+        names.append(UNCOND)
+    return StepBranches(tuple(names), text, control)
+
+
+def cfg_step(guidance_scale: float) -> StepBranches:
+    names = (COND, UNCOND) if guidance_scale != 1.0 else (COND,)
+    return StepBranches(names, guidance_scale, 1.0)
+
+
+def transfer_plan(
+    timesteps: Sequence[float],
+    guidance_scale: float,
+    control_guidance: float,
+    guidance_interval: tuple[float, float] | None,
+    control_interval: tuple[float, float] | None,
+) -> list[StepBranches]:
+    return [
+        transfer_step(t, guidance_scale, control_guidance, guidance_interval, control_interval)
+        for t in timesteps
+    ]
+
+
+def texts_needed(plan: Sequence[StepBranches]) -> tuple[str, ...]:
+    """The prompt texts whose UND K/V some step reads: cond (and its no-control twin) share one prefill."""
+    return (COND, UNCOND) if any(UNCOND in step.names for step in plan) else (COND,)
+
+
+def steps_and_texts(request) -> tuple[int, int]:
+    """(passes a request rides, UND prefills it needs) for the simulator: a Transfer chain rides its steps
+    once per chunk and prefills its texts once (the chain keeps them); uncond's text is counted whenever
+    text guidance is above 1 (an interval that no timestep falls in is not seen here)."""
+    texts = 2 if request.guidance_scale > 1.0 else 1
+    if request.transfer is None:
+        return request.num_inference_steps, 1 if request.guidance_scale == 1.0 else 2
+    return request.num_inference_steps * request.transfer.num_chunks, texts
