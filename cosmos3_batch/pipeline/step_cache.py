@@ -44,6 +44,7 @@ class RequestJob(Protocol):
     branches: list[BranchSeq]
 
     def gen_branches(self) -> list[BranchSeq]: ...
+
     cache: StepCache | None
 
 
