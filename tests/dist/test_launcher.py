@@ -92,7 +92,10 @@ def test_a_configuration_error_is_said_once_under_either_launcher(tmp_path, laun
     cmd += [str(prompts), "--model", str(empty), "--out", str(tmp_path / "out"), "--no-progress"]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
-    message = f"error: --model {empty}: not a diffusers checkpoint folder (no model_index.json)"
+    message = (
+        f"error: --model {empty}: not a diffusers checkpoint folder "
+        "(no model_index.json nor modular_model_index.json)"
+    )
     assert output.count("not a diffusers checkpoint folder") == 1, output[-3000:]
     assert message in output, output[-3000:]
     if launcher == "cosmos3_batch.parallel.launch":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -272,6 +273,8 @@ def test_killing_one_rank_makes_the_other_exit(tmp_path, tiny_ckpt):
     survivor, seconds, stderr = kill_rank_1_midrun(
         [str(prompts), "--model", str(tiny_ckpt)], tmp_path / "out"
     )
-    assert survivor.returncode != 0
+    assert survivor.returncode == 69  # a peer stalled or died (DESIGN.md §6): requeue the job
     assert seconds < 60
-    assert "peer rank died" in stderr
+    # One line naming the rank that left and where the job was (parallel/stall.py), no traceback.
+    assert re.search(r"rank 1 (left the job|did not arrive within) ", stderr), stderr[-2000:]
+    assert "Traceback" not in stderr

@@ -7,6 +7,7 @@ a run without it."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -282,6 +283,8 @@ def test_a_killed_rank_ends_an_sp_job(tiny8, tmp_path):
     # with --vae-patch-parallel-size, in a decode's halo exchange).
     args = [str(prompts), "--model", str(tiny8), "--sp", "2", "--vae-patch-parallel-size", "2"]
     survivor, seconds, stderr = kill_rank_1_midrun(args, tmp_path / "out")
-    assert survivor.returncode != 0
+    assert survivor.returncode == 69  # a peer stalled or died (DESIGN.md §6): requeue the job
     assert seconds < 90
-    assert "peer rank died" in stderr
+    # One line naming the rank that left and where the job was (parallel/stall.py), no traceback.
+    assert re.search(r"rank 1 (left the job|did not arrive within) ", stderr), stderr[-2000:]
+    assert "Traceback" not in stderr

@@ -48,8 +48,8 @@ def test_passes_continue_while_a_finished_request_decodes(tiny_ckpt, monkeypatch
     runner = PassRunner(ctx, ResidentWeights(ctx.layers), 2, on_finished)
     original_pass = runner._pass
 
-    def counting_pass(active, und, prefill):
-        original_pass(active, und, prefill)
+    def counting_pass(active, und, prefill, *rest):
+        original_pass(active, und, prefill, *rest)
         if runner.passes >= 4:
             reached.set()
 
@@ -155,8 +155,8 @@ def test_a_blocked_write_does_not_hold_the_loop(tiny_ckpt):
     runner = PassRunner(ctx, ResidentWeights(ctx.layers), 2, on_finished)
     original_pass = runner._pass
 
-    def counting_pass(active, und, prefill):
-        original_pass(active, und, prefill)
+    def counting_pass(active, und, prefill, *rest):
+        original_pass(active, und, prefill, *rest)
         # Released only once the loop has run 5 passes past the start of the held write ("other" has 40
         # steps, so they exist); with a write that held the loop, this would never happen.
         if held_since and runner.passes >= held_since[0] + 5:

@@ -135,15 +135,15 @@ def test_applier_gives_each_request_its_steps_precision(monkeypatch: pytest.Monk
         "gen_layer_batched",
         lambda s, layer, group, index: seen.append(([b.step for b in group], compute.high_precision)),
     )
-    jobs = [
-        SimpleNamespace(
-            step_index=step,
-            timesteps=list(range(5)),
-            error=None,
-            branches=[SimpleNamespace(step=step, gen_hidden=torch.zeros(4, 8), shard=None)],
-        )
-        for step in (0, 2, 4, 3)
-    ]
+    jobs = []
+    for step in (0, 2, 4, 3):
+        branches = [SimpleNamespace(step=step, gen_hidden=torch.zeros(4, 8), shard=None)]
+        jobs.append(
+            SimpleNamespace(
+                step_index=step, timesteps=list(range(5)), error=None, branches=branches, cache=None,
+                gen_branches=lambda branches=branches: branches,
+            )
+        )  # fmt: skip
     for batched in (False, True):
         seen.clear()
         apply.PartApplier(split, batched)(jobs, None, 0, GEN)

@@ -47,7 +47,7 @@ class Job:
     "before" or "after" that encode where `fail` says."""
 
     def __init__(self, rid: str, team: VaeTeam, video: torch.Tensor | None = None, fail: str | None = None):
-        self.request = SimpleNamespace(id=rid)
+        self.request = SimpleNamespace(id=rid, transfer=None)
         self.team, self.video, self.fail = team, video, fail
         self.needs_encode = video is not None
         self.input_error = None
@@ -75,7 +75,7 @@ def admitting(vae, admissions, monkeypatch, timeout_s: float) -> tuple[list, lis
     """`PassRunner._admit` of each list of jobs `admissions(rank, team)` gives, in turn, on two thread ranks
     (the group's encode team and `--sp` group on one gloo group, as on CPU). Per rank: (the ids admitted by
     each call, the (id, error) failures, the trace's events), or the exception; and the teams."""
-    monkeypatch.setattr(runner_module, "RequestJob", lambda ctx, request, **_: request)
+    monkeypatch.setattr(runner_module, "job_class", lambda request: lambda ctx, request, **_: request)
     teams: list = [None, None]
 
     def rank_main(group):
@@ -83,7 +83,7 @@ def admitting(vae, admissions, monkeypatch, timeout_s: float) -> tuple[list, lis
         group.note = events.append
         teams[group.index] = team = VaeTeam(2, vae, encoding=group, encode_vae=vae)
         runner = PassRunner.__new__(PassRunner)
-        runner.ctx, runner.und_cache, runner.team, runner.leads = None, True, team, True
+        runner.ctx, runner.und_cache, runner.team, runner.leads, runner.cache = None, True, team, True, None
         runner.sp = SeqGroup(2, group.index, 0, group.pg, note=events.append, host=group.pg)
         runner.finisher = SimpleNamespace(fail=lambda job, error: failed.append((job.request.id, error)))
         admitted = [[job.request.id for job in runner._admit(jobs)] for jobs in admissions(group.index, team)]
