@@ -19,9 +19,6 @@ from cosmos3_batch.checkpoint.declared import (
 from cosmos3_batch.checkpoint.reader import CheckpointFileError, TensorStore
 
 COMPONENTS = ("transformer", "vae", "scheduler", "text_tokenizer")
-# Components generation may read; anything else in the folder (NVIDIA's converter adds the understanding
-# tower `vision_encoder/`, a root config.json and a root weight index) is neither read nor part of identity.
-USED = (*COMPONENTS, "sound_tokenizer")
 
 
 class CheckpointError(ValueError):
@@ -62,13 +59,13 @@ class Checkpoint:
 
     def identity(self) -> str:
         """Changes when the model would produce different outputs: its configs and weight files (name and
-        size), not where it lives, so a moved checkpoint still resumes."""
+        size), not where it lives, so a moved checkpoint still resumes. Every component folder counts, as
+        it always has (outputs written by earlier versions keep resuming); a modular index counts too."""
         digest = hashlib.sha256()
-        used = [self.root / name for name in USED]
         indexes = [self.root / name for name in (INDEX, MODULAR_INDEX) if (self.root / name).is_file()]
-        for path in [*sorted(p for folder in used for p in folder.glob("*.json")), *indexes]:
+        for path in [*sorted(self.root.glob("*/*.json")), *indexes]:
             digest.update(f"{path.relative_to(self.root)}\n".encode() + path.read_bytes())
-        for path in sorted(p for folder in used for p in folder.glob("*.safetensors")):
+        for path in sorted(self.root.glob("*/*.safetensors")):
             digest.update(f"{path.relative_to(self.root)}:{path.stat().st_size}\n".encode())
         return digest.hexdigest()[:16]
 

@@ -188,8 +188,11 @@ class PassRunner:
             prefill: list[RequestJob] = []
             if und:
                 now, later = slots.admissions(len(active))
-                active += self._admit(now)
-                gate_rank(active)  # the requests just admitted, at their first step: forced to compute
+                admitted = self._admit(now)
+                # Only the requests just admitted (at their first step: forced to compute): the others were
+                # gated for this step before the exchange, and a second gate would count a reuse twice.
+                gate_rank(admitted)
+                active += admitted
                 prefill = self._admit(later)
             # The same decision on every rank (sums only): a pass no branch anywhere computes walks nothing.
             skip = not und and world.active > 0 and world.computing == 0

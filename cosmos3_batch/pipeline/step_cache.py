@@ -219,5 +219,5 @@ def tally(jobs: list[RequestJob]) -> list[int]:
     for job in jobs:
         if getattr(job, "error", None) is None:
             computed = len(computing(job))
-            ran, reused = ran + computed, reused + len(job.branches) - computed
+            ran, reused = ran + computed, reused + len(job.gen_branches()) - computed
     return [ran, reused]

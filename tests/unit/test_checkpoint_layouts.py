@@ -45,9 +45,10 @@ def converter_layout(tiny_ckpt: Path, root: Path) -> Path:
 
 def test_a_converter_written_folder_runs_as_the_plain_one(tiny_ckpt, tmp_path):
     folder = converter_layout(tiny_ckpt, tmp_path / "release")
-    assert (
-        Checkpoint.open(folder).identity() == Checkpoint.open(tiny_ckpt).identity()
-    )  # the extras are not read
+    # Read through transformer/'s own index: the root index (naming tensors that exist nowhere) is never
+    # opened. The identity still counts every component folder, as it always has: outputs resume.
+    names = [Checkpoint.open(root).store("transformer").names() for root in (folder, tiny_ckpt)]
+    assert names[0] == names[1]
     prompts = write_jsonl(tmp_path / "p.jsonl", REQUESTS)
     for model, out in ((tiny_ckpt, tmp_path / "plain"), (folder, tmp_path / "converted")):
         assert (

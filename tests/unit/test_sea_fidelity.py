@@ -87,7 +87,7 @@ def run_cached(tiny_ckpt, requests, max_active: int, settings: SeaSettings):
     return results, runner
 
 
-@pytest.mark.parametrize("max_active", [1, 4])
+@pytest.mark.parametrize("max_active", [1, 2, 4])  # 2: admissions mid-run, beside reusing branches
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_bit_exact_and_same_decisions(tiny_ckpt, requests_, reference, setting, max_active):
     ours, runner = run_cached(tiny_ckpt, requests_, max_active, SETTINGS[setting])

@@ -143,8 +143,11 @@ def test_where_no_step_is_measured_the_decode_is_not_split_and_equals_the_unspli
     one shard, the unsplit decode's bits, and one log line saying why, however many decodes."""
     monkeypatch.setattr(vae_shards, "gemm_column_step", lambda dtype: 0)
     vae_shards._not_split.cache_clear()
-    with caplog.at_level("WARNING", logger="cosmos3_batch.model.vae_shards"):
-        cuts = [plan_cut((8, 8), 2, torch.device("cpu")) for _ in range(3)]
+    try:
+        with caplog.at_level("WARNING", logger="cosmos3_batch.model.vae_shards"):
+            cuts = [plan_cut((8, 8), 2, torch.device("cpu")) for _ in range(3)]
+    finally:
+        vae_shards._not_split.cache_clear()  # the log-once state stays this test's
     assert [cut.sizes for cut in cuts] == [(8,)] * 3
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "CPU decodes and encodes are not split, one rank of the group runs each whole (exact, as the "
