@@ -90,14 +90,13 @@ def test_every_transfer_mistake_is_named_before_loading(media):
         RequestError(1, "control.blur", f"{bad} is not a readable video (OSError: 'Could not load meta "
                      "information')"),
         RequestError(1, "control.depth", '"auto" needs a depth model, which this tool does not run: give '
-                     "the depth control as a video file"),
+                     "the depth control as a video file (only edge and blur are derived from the video)"),
         RequestError(2, "control.blur", "9 frames asked, but the blur control has only 5 frames"),
         RequestError(3, "conditional_frames", "conditional_frames 5 must be smaller than a chunk (5 frames): "
                      "each chunk must make at least one new frame"),
         RequestError(4, "control_guidance", "is only used with control (Transfer); add a control or "
                      "remove it"),
-        RequestError(5, "control.edge", '"auto" (Canny edges of the video) is not available yet: give '
-                     "the edge control as a video file"),
+        RequestError(5, "control.edge", '"auto" derives Canny edges from the request\'s video: add a video'),
         RequestError(5, "first_chunk_conditional_frames", "seeds the first chunk from video: add a video"),
         RequestError(6, "action", "not used by Transfer (control): remove it from this request"),
         RequestError(6, "control", "must map at least one hint (edge, blur, depth, seg, wsm) to a control "
