@@ -3,7 +3,8 @@ Transfer requests (one control and two, text and control guidance switched by in
 mixed with T2V in one job, allgather and local at --max-active 1 and 4, equal to the references in this
 process bit for bit (`Cosmos3OmniModularPipeline` for Transfer: every chunk's latents and the frames;
 `Cosmos3OmniPipeline` for T2V); every rank issues the same collectives, and the layers ran exactly the
-forwards plan/branches.py asks for, summed over the ranks."""
+forwards plan/branches.py asks for, summed over the ranks; `plan`'s simulator predicts each run's passes,
+UND passes, bytes and slot occupancy exactly."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from safetensors.torch import load_file
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.plan.branches import texts_needed, transfer_plan
+from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.dist.jobs import CAPTURE_FRAMES, torchrun_jobs
 from tests.dist.test_checkpoints import one_thread
+from tests.dist.test_runs import assert_simulated
 from tests.reference import reference_kwargs, transfer_outputs, transfer_reference
 
 pytestmark = pytest.mark.dist
@@ -125,3 +128,7 @@ def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt):
         assert sum(r["ok"] for r in ranks) == len(ROWS), name
         assert sum(r["gen_runs"] for r in ranks) == forwards * LAYERS, name
         assert sum(r["und_runs"] for r in ranks) == texts * LAYERS, name
+        # plan's simulator: the same passes, UND passes, bytes and occupancy as the run (chains included).
+        summary = json.loads((out / "summary.json").read_text())
+        mode, max_active = CONFIGS[name][1], int(CONFIGS[name][3])
+        assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from cosmos3_batch.plan.schedule import gen_tokens, predicted_cost
 from cosmos3_batch.requests.fields import RequestError
 from cosmos3_batch.requests.parse import load_requests
 from cosmos3_batch.requests.transfer import chunking
@@ -60,6 +61,12 @@ def test_a_transfer_line_resolves_as_the_reference_setup_step(media):
     assert (two.num_frames, spec.chunk_frames, spec.num_chunks, spec.stride) == (7, 5, 2, 3)
     assert (spec.guidance_interval, spec.control_guidance_interval) == ((0.0, 500.0), (200.0, 900.5))
     assert one.content_hash() != two.content_hash() and "transfer" in one.resolved()
+    # plan sizes a chunk's longest sequence, every control besides the target, and costs every chunk's steps
+    # at the forwards per step (48x32: 2x1 cells; a 5-frame chunk: 2 latent frames; two controls).
+    assert (gen_tokens(one), gen_tokens(two)) == (2 * 3 * 2, 3 * 2 * 2)
+    steps = one.num_inference_steps
+    assert predicted_cost(one) == gen_tokens(one) * steps * 2  # cond, uncond (guidance above 1)
+    assert predicted_cost(two) == gen_tokens(two) * steps * 2 * 3  # 2 chunks; + cond without controls
 
 
 def test_the_chunk_geometry_is_the_reference_setup_steps():
