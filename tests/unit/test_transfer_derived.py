@@ -114,3 +114,23 @@ def test_the_transfer_example_loads_with_its_derived_controls():
     assert errors == [] and [r.kind for r in requests] == ["transfer"] * 3
     assert {path for r in requests for _, path in r.transfer.controls} == {"auto"}
     assert requests[2].transfer.num_chunks > 1
+
+
+def test_the_sidecar_records_each_control_and_how_a_derived_one_was_made(folder):
+    """A control file: its path and sha256; a derived one: the video it came from (sha256), the operator and
+    NVIDIA's preset parameters."""
+    import hashlib
+
+    from cosmos3_batch.pipeline.controls import controls_record
+
+    imageio.mimwrite(folder / "depth.mp4", [np.full((32, 48, 3), 7 * i, np.uint8) for i in range(9)], fps=8)
+    control = {"depth": "depth.mp4", "edge": "auto"}
+    row = {"prompt": "p", "size": "48x32", "control": control, "video": "rgb.mp4"}
+    (r,), errors = load_requests(str(write_jsonl(folder / "s.jsonl", [row])))
+    assert errors == []
+    digest = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in ("rgb.mp4", "depth.mp4")}
+    assert controls_record(r.transfer) == [
+        {"hint": "edge", "derived_from": str(folder / "rgb.mp4"), "sha256": digest["rgb.mp4"],
+         "operator": "cv2.Canny", "preset": "medium", "threshold1": 100, "threshold2": 200},
+        {"hint": "depth", "path": str(folder / "depth.mp4"), "sha256": digest["depth.mp4"]},
+    ]  # fmt: skip
