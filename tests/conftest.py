@@ -52,6 +52,8 @@ MODULE_SECONDS = {
     "tests/unit/test_fp8_w8a8.py": 30,
     "tests/unit/test_sync_free.py": 8,
     "tests/unit/test_datasets.py": 25,
+    "tests/unit/test_transfer_derived.py": 40,  # a derived-control run and its modular reference
+    "tests/unit/test_transfer_outputs.py": 30,  # a files and a webdataset run
 }
 
 
