@@ -3,7 +3,9 @@
 # 1. the trained demo model (shipped with the package, written to the cache by make-tiny --trained) draws
 #    the shapes of examples/shapes.jsonl -> out/demo-shapes/, with its report.html;
 # 2. examples/prompts.jsonl on the built-in tiny model (random weights: noise by design) -> out/demo/;
-# 3. the sound and action modes (examples/modes.jsonl) on a tiny model that has them -> out/demo-modes/.
+# 3. the sound and action modes (examples/modes.jsonl) on a tiny model that has them -> out/demo-modes/;
+# 4. Transfer (examples/transfer.jsonl: controls derived from examples/clip.mp4) on the built-in tiny model
+#    -> out/demo-transfer/.
 # Nothing is downloaded.
 source "$(dirname "$0")/env.sh" run
 CACHE="${COSMOS3_BATCH_CACHE:-$HOME/.cache/cosmos3_batch}"
@@ -21,4 +23,5 @@ if [ ! -f "$MODES_MODEL/model_index.json" ]; then
   python -m cosmos3_batch make-tiny "$MODES_MODEL" --sound --action
 fi
 python -m cosmos3_batch run examples/modes.jsonl --model "$MODES_MODEL" --out out/demo-modes "$@"
+python -m cosmos3_batch run examples/transfer.jsonl --out out/demo-transfer "$@"
 echo "The demo model's shapes: open $(pwd)/out/demo-shapes/report.html in a browser (docs/demo-model.md)."

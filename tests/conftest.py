@@ -41,6 +41,7 @@ MODULE_SECONDS = {
     "tests/dist/test_demo_model.py": 140,
     "tests/dist/test_launcher.py": 45,
     "tests/dist/test_checkpoints.py": 70,
+    "tests/dist/test_transfer_dist.py": 115,  # 4 jobs in one world-2 launch, measured on 2 shared cores
     "tests/unit/test_distilled.py": 20,
     "tests/unit/test_edge.py": 16,
     "tests/unit/test_faults.py": 35,
@@ -51,6 +52,8 @@ MODULE_SECONDS = {
     "tests/unit/test_fp8_w8a8.py": 30,
     "tests/unit/test_sync_free.py": 8,
     "tests/unit/test_datasets.py": 25,
+    "tests/unit/test_transfer_derived.py": 40,  # a derived-control run and its modular reference
+    "tests/unit/test_transfer_outputs.py": 30,  # a files and a webdataset run
 }
 
 

@@ -135,10 +135,44 @@ def transfer_reference(folder, dtype: torch.dtype = torch.float32):
     return pipe
 
 
-def transfer_kwargs(r: Request) -> dict:
+def transfer_outputs(
+    pipe, requests, controls: dict | None = None
+) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
+    """Each Transfer request of `requests` through `pipe` (`transfer_reference`): every chunk's latents as
+    they go to the decoder, concatenated as --save-latents writes them ([chunks, C, T, H, W]), and the
+    frames. `controls`: frames by hint, given in place of the request's (its derived ones)."""
+    from diffusers.modular_pipelines.cosmos import decoders
+
+    chunk_latents: list[torch.Tensor] = []
+    original = decoders.Cosmos3TransferDecodeChunkStep.__call__
+
+    def recording(self, components, state):
+        chunk_latents.append(state.get("latents").clone())
+        return original(self, components, state)
+
+    out = {}
+    decoders.Cosmos3TransferDecodeChunkStep.__call__ = recording
+    try:
+        for r in requests:
+            if r.transfer is None:
+                continue
+            chunk_latents.clear()
+            generator = torch.Generator("cpu").manual_seed(r.seed)
+            frames = pipe(
+                **transfer_kwargs(r, controls), generator=generator, output_type="np", output="videos"
+            )
+            out[r.id] = (torch.cat(chunk_latents, dim=0), np.asarray(frames))
+    finally:
+        decoders.Cosmos3TransferDecodeChunkStep.__call__ = original
+    return out
+
+
+def transfer_kwargs(r: Request, controls: dict | None = None) -> dict:
     """The modular pipeline's Transfer call for one of our requests: the controls as frames, read straight
-    from the files (`load_video`; a still image as one RGB frame), not through our loader."""
+    from the files (`load_video`; a still image as one RGB frame), not through our loader; `controls`: frames
+    by hint given instead (a derived control's)."""
     spec = r.transfer
+    given = controls or {}
 
     def frames(path: str) -> list:
         if path.lower().endswith((".png", ".jpg", ".jpeg")):
@@ -148,7 +182,7 @@ def transfer_kwargs(r: Request) -> dict:
     kwargs = dict(
         prompt=r.prompt,
         negative_prompt=r.negative_prompt,
-        control_videos={hint: frames(path) for hint, path in spec.controls},
+        control_videos={hint: given[hint] if hint in given else frames(path) for hint, path in spec.controls},
         height=r.height,
         width=r.width,
         num_frames=r.num_frames,

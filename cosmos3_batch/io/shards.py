@@ -42,12 +42,14 @@ def sample_key(request_id: str) -> str:
 
 
 def shard_kind(request, save_latents: bool) -> str:
-    """image | video | actions, then -sound, then -latents: one member set per kind."""
+    """image | video | actions | transfer-image | transfer-video, then -sound, then -latents: one member set
+    per kind (Transfer's latents are every chunk's, [chunks, C, T, H, W]: a training set reads them apart)."""
     action = getattr(request, "action", None)
     if action is not None and action.mode in PREDICTS_ACTIONS:
         kind = "actions"
     else:
         kind = "image" if request.num_frames == 1 else "video"
+        kind = f"transfer-{kind}" if getattr(request, "transfer", None) is not None else kind
     if getattr(request, "sound", False):
         kind += "-sound"
     return kind + ("-latents" if save_latents else "")

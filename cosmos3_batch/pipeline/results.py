@@ -22,6 +22,7 @@ from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
+from cosmos3_batch.pipeline.controls import controls_record
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.step_cache import cache_report, forward_counts
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
@@ -280,6 +281,7 @@ class ResultWriter:
             "rank": self.rank,
             "weights": self.weights,
             **({} if job.cache is None else {"cache": cache_report(self.cfg.cache, job.cache)}),
+            **({} if r.transfer is None else {"controls": controls_record(r.transfer)}),
             "versions": versions(),
         }
 

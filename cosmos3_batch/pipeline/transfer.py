@@ -19,6 +19,7 @@ import torch
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.prompts import tokenize_transfer
 from cosmos3_batch.pipeline import transfer_chunks as chunks
+from cosmos3_batch.pipeline.controls import derive
 from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob, Result, VisionLayout
 from cosmos3_batch.pipeline.samplers import UniPCSampler
 from cosmos3_batch.plan.branches import (
@@ -29,6 +30,7 @@ from cosmos3_batch.plan.branches import (
     texts_needed,
     transfer_plan,
 )
+from cosmos3_batch.requests.transfer import AUTO
 
 
 @dataclass
@@ -70,9 +72,13 @@ class TransferJob(RequestJob):
         """Read the controls (and the seed video) now; a failure is kept for `prepare`."""
         from diffusers.utils import load_video
 
+        size = (self.request.height, self.request.width)
         try:
-            controls = [chunks.load_control(path) for _, path in self.spec.controls]
             video = load_video(self.spec.video) if self.spec.video is not None else None
+            controls = [
+                derive(hint, video, size) if path == AUTO else chunks.load_control(path)
+                for hint, path in self.spec.controls
+            ]
             self._inputs = (controls, video)
         except Exception as exc:
             self.input_error = f"{type(exc).__name__}: {exc}"

@@ -84,3 +84,12 @@ def steps_and_texts(request) -> tuple[int, int]:
     if request.transfer is None:
         return request.num_inference_steps, 1 if request.guidance_scale == 1.0 else 2
     return request.num_inference_steps * request.transfer.num_chunks, texts
+
+
+def most_branches(request) -> int:
+    """The most GEN forwards a step of this request runs: what plan sizes a pass by (an interval may turn a
+    Transfer axis off on some steps; the memory a step needs is its largest)."""
+    transfer = getattr(request, "transfer", None)
+    if transfer is None:
+        return 1 if request.guidance_scale == 1.0 else 2
+    return 1 + (transfer.control_guidance != 1.0) + (request.guidance_scale > 1.0)

@@ -22,7 +22,7 @@ from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
-from cosmos3_batch.plan.branches import steps_and_texts
+from cosmos3_batch.plan.branches import most_branches, steps_and_texts
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
     decode_bytes,
@@ -67,9 +67,10 @@ def estimate(
     shards = sum(p.shard_bytes for p in shape.parts)
     slot = max(p.nbytes for p in shape.parts)
     per_node = max(1, world_size // nnodes)
-    # A typical pass: K copies of the median request (by GEN tokens: vision + sound + action) on every rank.
+    # A typical pass: K copies of the median request (by GEN tokens: vision + sound + action; Transfer: a
+    # chunk's, its controls included) on every rank.
     typical = sorted(requests, key=gen_tokens)[len(requests) // 2] if requests else None
-    branches = 1 if typical is None or typical.guidance_scale == 1.0 else 2
+    branches = most_branches(typical) if typical is not None else 1  # Transfer: up to 3
     gen_len = gen_tokens(typical) if typical else 0
     und = int(statistics.median(und_tokens.values())) if und_tokens else 0
     active = [(branches, und, gen_len)] * (max_active if typical else 0)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cosmos3_batch.plan.branches import most_branches, steps_and_texts
 from cosmos3_batch.requests.parse import Request, shard_index
 
 LATENT_PIXELS = 16  # VAE spatial compression
@@ -22,9 +23,13 @@ SOUND_RATE, SOUND_HOP = 48000, 1920
 
 
 def vision_tokens(r: Request) -> int:
-    latent_t = (r.num_frames - 1) // TEMPORAL + 1
+    """Vision tokens of the longest GEN sequence; Transfer: one chunk's, over every control and the target
+    (what the request check bounds: requests/transfer.py)."""
+    transfer = getattr(r, "transfer", None)
+    frames = r.num_frames if transfer is None else transfer.chunk_frames
+    latent_t = (frames - 1) // TEMPORAL + 1
     cells = math.ceil(r.height / LATENT_PIXELS / PATCH) * math.ceil(r.width / LATENT_PIXELS / PATCH)
-    return latent_t * cells
+    return latent_t * cells * (1 if transfer is None else len(transfer.controls) + 1)
 
 
 def sound_tokens(r: Request) -> int:
@@ -45,9 +50,14 @@ def gen_tokens(r: Request) -> int:
 
 
 def predicted_cost(r: Request) -> float:
-    """Work in token-steps: GEN tokens x steps x branches (the GEN stream dominates every pass)."""
-    branches = 1 if r.guidance_scale == 1.0 else 2
-    return float(gen_tokens(r) * r.num_inference_steps * branches)
+    """Work in token-steps: GEN tokens x passes x branches (the GEN stream dominates every pass; Transfer:
+    every chunk's steps at the most forwards a step runs)."""
+    return float(gen_tokens(r) * passes_of(r) * most_branches(r))
+
+
+def passes_of(r: Request) -> int:
+    """Passes a request rides: its steps, once per chunk for a Transfer chain."""
+    return steps_and_texts(r)[0]
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ def assign(requests: Sequence[Request], world_size: int) -> Assignment:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     costs = {r.id: predicted_cost(r) for r in requests}
     total_cost = sum(costs.values()) or 1.0
-    total_steps = sum(r.num_inference_steps for r in requests) or 1
+    total_steps = sum(passes_of(r) for r in requests) or 1
     # Every rank's score at once (numpy's float64 arithmetic is Python's, and argmin takes the first of
     # equal scores, the lowest rank): a loop over the ranks per request was 6 minutes at 1M x 512.
     loads = np.zeros(world_size)
@@ -84,7 +94,7 @@ def assign(requests: Sequence[Request], world_size: int) -> Assignment:
     compute, passes = np.empty(world_size), np.empty(world_size)
     owner: dict[str, int] = {}
     for r in sorted(requests, key=lambda r: (-costs[r.id], r.id)):
-        cost, n = costs[r.id], r.num_inference_steps
+        cost, n = costs[r.id], passes_of(r)
         np.divide(np.add(loads, cost, out=compute), total_cost, out=compute)
         np.divide(steps + n, total_steps, out=passes)
         rank = int(np.argmin(np.maximum(compute, passes, out=compute)))
@@ -96,7 +106,7 @@ def assign(requests: Sequence[Request], world_size: int) -> Assignment:
         queues[owner[r.id]].append(r)
     # Within a rank, most steps first: the requests still running when the rank's queue runs dry are
     # short ones, so its slots empty late and together (ties keep file order).
-    ordered = tuple(tuple(sorted(q, key=lambda r: -r.num_inference_steps)) for q in queues)
+    ordered = tuple(tuple(sorted(q, key=lambda r: -passes_of(r))) for q in queues)
     return Assignment(ordered, tuple(float(x) for x in loads))
 
 

@@ -28,6 +28,14 @@ from cosmos3_batch.requests.modes import count_frames, resolve_path
 
 HINTS = ("edge", "blur", "depth", "seg", "wsm")  # the reference's canonical order (its hint_order)
 DERIVED = {"edge": "Canny edges", "blur": "a bilateral-filtered blur"}  # "auto": computed from `video`
+# NVIDIA's Transfer inference presets ("medium", its CLI's default) for the derived controls, as
+# pipeline/controls.py applies them and the sidecar records them: cosmos-transfer2.5's AddControlInputEdge
+# (Canny thresholds) and AddControlInputBlur (its bilateral filter config and down/up factors).
+DERIVED_PARAMS = {
+    "edge": {"operator": "cv2.Canny", "preset": "medium", "threshold1": 100, "threshold2": 200},
+    "blur": {"operator": "cv2.bilateralFilter", "preset": "medium", "downsize": 2, "d": 30,
+             "sigma_color": 150, "sigma_space": 100, "iterations": 1, "down_up": 10},
+}  # fmt: skip
 AUTO = "auto"
 TRANSFER_KEYS = (
     "control_guidance", "guidance_interval", "control_guidance_interval", "frames_per_chunk",
@@ -100,7 +108,7 @@ def check_transfer_request(
     if has_video:
         video = check_video_path(out, _get(obj, "video"), base_dir)
     video_frames = count_frames(video)[0] if video is not None else None
-    controls = _check_controls(out, _get(obj, "control"), base_dir)
+    controls = _check_controls(out, _get(obj, "control"), base_dir, (has_video, video_frames))
     values: dict[str, Any] = {"transfer": None, "video": None, "image": None, "sound": False}
     values.update(check_size(out, obj, limits, None))  # never the image default: the reference's 1280x720
     total = _total_frames(out, obj, controls, limits)
@@ -111,8 +119,11 @@ def check_transfer_request(
     return values, total
 
 
-def _check_controls(out: LineErrors, value: Any, base_dir: str | None) -> list[tuple[str, str, int]]:
-    """(hint, path or "auto", frames) per good control, in the canonical order."""
+def _check_controls(
+    out: LineErrors, value: Any, base_dir: str | None, video: tuple[bool, int | None]
+) -> list[tuple[str, str, int]]:
+    """(hint, path or "auto", frames) per good control, in the canonical order; `video`: (given, its frames
+    when readable), the source of derived controls."""
     if not isinstance(value, dict) or not value:
         got = "an empty object" if value == {} else describe(value)
         out.add("control", f"must map at least one hint ({', '.join(HINTS)}) to a control video, got {got}")
@@ -126,11 +137,9 @@ def _check_controls(out: LineErrors, value: Any, base_dir: str | None) -> list[t
     for hint in (h for h in HINTS if h in value):
         field, path = f"control.{hint}", value[hint]
         if path == AUTO:
-            if hint not in DERIVED:
-                why = f"needs a {hint} model, which this tool does not run"
-            else:  # NVIDIA's operators are not wired in yet: refused here rather than failing after loading
-                why = f"({DERIVED[hint]} of the video) is not available yet"
-            out.add(field, f'"auto" {why}: give the {hint} control as a video file')
+            derived = _derived(out, field, hint, video)
+            if derived is not None:
+                found.append((hint, AUTO, derived))
             continue
         if not isinstance(path, str) or not path:
             out.add(field, f'must be a path to a control video or image (or "auto"), got {describe(path)}')
@@ -142,6 +151,17 @@ def _check_controls(out: LineErrors, value: Any, base_dir: str | None) -> list[t
         else:
             found.append((hint, resolved, frames))
     return found
+
+
+def _derived(out: LineErrors, field: str, hint: str, video: tuple[bool, int | None]) -> int | None:
+    """The frames of an "auto" control (the video's), or None with the reason reported."""
+    given, frames = video
+    if hint not in DERIVED:
+        out.add(field, f'"auto" needs a {hint} model, which this tool does not run: give the {hint} control '
+                "as a video file (only edge and blur are derived from the video)")  # fmt: skip
+    elif not given:
+        out.add(field, f'"auto" derives {DERIVED[hint]} from the request\'s video: add a video')
+    return frames if hint in DERIVED and given else None
 
 
 def _probe_control(path: str) -> tuple[int | None, str | None]:
@@ -271,3 +291,17 @@ def _check_tokens(out: LineErrors, limits: ModelLimits, width: int, height: int,
             f"is {tokens:,} vision tokens, over the per-request bound of {limits.max_vision_tokens:,} "
             "(use a smaller frames_per_chunk, or raise --max-vision-tokens if the GPUs allow)",
         )
+
+
+def check_transfer_flags(sp: int, vae_patch_parallel_size: int, requests: list) -> None:
+    """Refuse run flags a Transfer chain does not run under yet, before anything loads (a request accepted
+    here must not fail at prepare): ValueError naming the first Transfer request."""
+    if sp == 1 and vae_patch_parallel_size == 1:
+        return
+    for r in requests:
+        if getattr(r, "transfer", None) is not None:
+            flags = "--sp" + (" and --vae-patch-parallel-size" if vae_patch_parallel_size > 1 else "")
+            raise ValueError(
+                f"request {r.id!r}: Transfer does not run under {flags} yet (its controls and chunk chain "
+                "stay on one rank); run Transfer without them, or in a job of its own"
+            )

@@ -15,7 +15,7 @@ from PIL import Image
 from cosmos3_batch.plan.branches import transfer_plan
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
-from tests.reference import reference_kwargs, transfer_kwargs, transfer_reference
+from tests.reference import reference_kwargs, transfer_outputs, transfer_reference
 from tests.unit.test_fidelity import run_ours
 
 pytestmark = pytest.mark.exact  # run twice by scripts/test.sh: the second time under a lower ISA
@@ -61,26 +61,8 @@ def requests_(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt, requests_):
     from diffusers import Cosmos3OmniPipeline
-    from diffusers.modular_pipelines.cosmos import decoders
 
-    pipe = transfer_reference(tiny_ckpt)
-    chunk_latents: list[torch.Tensor] = []
-    original = decoders.Cosmos3TransferDecodeChunkStep.__call__
-
-    def recording(self, components, state):  # every chunk's latents, as they go to the decoder
-        chunk_latents.append(state.get("latents").clone())
-        return original(self, components, state)
-
-    out = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decoders.Cosmos3TransferDecodeChunkStep, "__call__", recording)
-        for r in requests_:
-            if r.transfer is None:
-                continue
-            chunk_latents.clear()
-            generator = torch.Generator("cpu").manual_seed(r.seed)
-            frames = pipe(**transfer_kwargs(r), generator=generator, output_type="np", output="videos")
-            out[r.id] = (torch.cat(chunk_latents, dim=0), np.asarray(frames))
+    out = transfer_outputs(transfer_reference(tiny_ckpt), requests_)
     plain = Cosmos3OmniPipeline.from_pretrained(tiny_ckpt)
     plain.set_progress_bar_config(disable=True)
     for r in requests_:

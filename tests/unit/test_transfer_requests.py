@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from cosmos3_batch.plan.schedule import gen_tokens, predicted_cost
 from cosmos3_batch.requests.fields import RequestError
 from cosmos3_batch.requests.parse import load_requests
 from cosmos3_batch.requests.transfer import chunking
@@ -60,6 +61,12 @@ def test_a_transfer_line_resolves_as_the_reference_setup_step(media):
     assert (two.num_frames, spec.chunk_frames, spec.num_chunks, spec.stride) == (7, 5, 2, 3)
     assert (spec.guidance_interval, spec.control_guidance_interval) == ((0.0, 500.0), (200.0, 900.5))
     assert one.content_hash() != two.content_hash() and "transfer" in one.resolved()
+    # plan sizes a chunk's longest sequence, every control besides the target, and costs every chunk's steps
+    # at the forwards per step (48x32: 2x1 cells; a 5-frame chunk: 2 latent frames; two controls).
+    assert (gen_tokens(one), gen_tokens(two)) == (2 * 3 * 2, 3 * 2 * 2)
+    steps = one.num_inference_steps
+    assert predicted_cost(one) == gen_tokens(one) * steps * 2  # cond, uncond (guidance above 1)
+    assert predicted_cost(two) == gen_tokens(two) * steps * 2 * 3  # 2 chunks; + cond without controls
 
 
 def test_the_chunk_geometry_is_the_reference_setup_steps():
@@ -90,14 +97,13 @@ def test_every_transfer_mistake_is_named_before_loading(media):
         RequestError(1, "control.blur", f"{bad} is not a readable video (OSError: 'Could not load meta "
                      "information')"),
         RequestError(1, "control.depth", '"auto" needs a depth model, which this tool does not run: give '
-                     "the depth control as a video file"),
+                     "the depth control as a video file (only edge and blur are derived from the video)"),
         RequestError(2, "control.blur", "9 frames asked, but the blur control has only 5 frames"),
         RequestError(3, "conditional_frames", "conditional_frames 5 must be smaller than a chunk (5 frames): "
                      "each chunk must make at least one new frame"),
         RequestError(4, "control_guidance", "is only used with control (Transfer); add a control or "
                      "remove it"),
-        RequestError(5, "control.edge", '"auto" (Canny edges of the video) is not available yet: give '
-                     "the edge control as a video file"),
+        RequestError(5, "control.edge", '"auto" derives Canny edges from the request\'s video: add a video'),
         RequestError(5, "first_chunk_conditional_frames", "seeds the first chunk from video: add a video"),
         RequestError(6, "action", "not used by Transfer (control): remove it from this request"),
         RequestError(6, "control", "must map at least one hint (edge, blur, depth, seg, wsm) to a control "
@@ -140,3 +146,22 @@ def test_a_csv_line_goes_through_the_same_checks(media):
     (media / "r.json").write_text(json.dumps(as_json))
     (same,), _ = load_requests(str(media / "r.json"))
     assert same.content_hash() == a.content_hash()
+
+
+def test_transfer_under_sp_is_refused_before_loading(media, tiny_ckpt):
+    """--sp (and --vae-patch-parallel-size) with a Transfer request: exit 2 naming the request and the flags,
+    before the world is checked or anything loads, no --out folder left behind."""
+    from typer.testing import CliRunner
+
+    from cosmos3_batch.cli import app
+
+    rows = [{"id": "plain", "prompt": "p"}, {"id": "tr", "prompt": "p", "control": {"edge": "edge.mp4"}}]
+    prompts = write_jsonl(media / "sp.jsonl", rows)
+    both = ["--sp", "2", "--vae-patch-parallel-size", "2"]
+    for flags, named in ((["--sp", "2"], "--sp yet"), (both, "--sp and --vae-patch-parallel-size")):
+        out = media / "out-sp"
+        args = ["run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress", *flags]
+        result = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+        assert result.exit_code == 2, result.output
+        assert f"request 'tr': Transfer does not run under {named}" in result.output.replace("\n", " ")
+        assert not out.exists() or not any(out.rglob("*"))

@@ -1,0 +1,134 @@
+"""Transfer (DESIGN.md §17) under real torchrun (world 2, gloo, CPU), in one launch (tests/dist/jobs.py):
+Transfer requests (one control and two, text and control guidance switched by intervals, a 2-chunk chain)
+mixed with T2V in one job, allgather and local at --max-active 1 and 4, equal to the references in this
+process bit for bit (`Cosmos3OmniModularPipeline` for Transfer: every chunk's latents and the frames;
+`Cosmos3OmniPipeline` for T2V); every rank issues the same collectives, and the layers ran exactly the
+forwards plan/branches.py asks for, summed over the ranks; `plan`'s simulator predicts each run's passes,
+UND passes, bytes and slot occupancy exactly."""
+
+from __future__ import annotations
+
+import json
+
+import imageio
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.plan.branches import texts_needed, transfer_plan
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.requests.parse import load_requests
+from tests.conftest import write_jsonl
+from tests.dist.jobs import CAPTURE_FRAMES, torchrun_jobs
+from tests.dist.test_checkpoints import one_thread
+from tests.dist.test_runs import assert_simulated
+from tests.reference import reference_kwargs, transfer_outputs, transfer_reference
+
+pytestmark = pytest.mark.dist
+
+LAYERS = 2  # the tiny model's
+BASE = {"size": "48x32", "num_inference_steps": 3}
+ROWS = [
+    {"id": "edge", "prompt": "a red car", "control": {"edge": "edge.mp4"}, "guidance_scale": 3.0, "seed": 1},
+    # Both axes switched by their intervals: 1 to 3 forwards per step.
+    {"id": "two", "prompt": "a wet road", "control": {"blur": "blur.mp4", "edge": "edge.mp4"},
+     "guidance_scale": 4.0, "control_guidance": 2.0, "guidance_interval": [500, 1000],
+     "control_guidance_interval": [0, 700], "seed": 2},
+    # 17 frames in chunks of 9 overlapping by 1: 2 chunks.
+    {"id": "chain", "prompt": "night", "control": {"edge": "long.mp4"}, "num_frames": 17,
+     "frames_per_chunk": 9, "control_guidance": 1.5, "seed": 5},
+    {"id": "t2v", "prompt": "a cat walks", "num_frames": 9, "seed": 7},
+    {"id": "t2v-nocfg", "prompt": "a dog", "num_frames": 5, "guidance_scale": 1.0, "seed": 8},
+]  # fmt: skip
+CONFIGS = {
+    "ag1": ["--offload", "allgather", "--max-active", "1"],
+    "ag4": ["--offload", "allgather", "--max-active", "4"],
+    "local1": ["--offload", "local", "--max-active", "1"],
+    "local4": ["--offload", "local", "--max-active", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_ckpt):
+    folder = tmp_path_factory.mktemp("transfer-dist")
+    rng = np.random.RandomState(0)
+    moving = [np.zeros((32, 48, 3), np.uint8) for _ in range(17)]
+    for i, frame in enumerate(moving):  # a bright square moving right
+        frame[8:20, i : i + 12] = 255
+    imageio.mimwrite(folder / "long.mp4", moving, fps=8)
+    imageio.mimwrite(folder / "edge.mp4", moving[:9], fps=8)
+    imageio.mimwrite(folder / "blur.mp4", [(rng.rand(32, 48, 3) * 255).astype(np.uint8)] * 9, fps=8)
+    prompts = write_jsonl(folder / "p.jsonl", [{**BASE, **row} for row in ROWS])
+    requests, errors = load_requests(str(prompts))
+    assert errors == []
+
+    def references():
+        from diffusers import Cosmos3OmniPipeline
+
+        out = transfer_outputs(transfer_reference(tiny_ckpt), requests)
+        plain = Cosmos3OmniPipeline.from_pretrained(tiny_ckpt)
+        plain.set_progress_bar_config(disable=True)
+        for r in requests:
+            if r.transfer is None:
+                generator = torch.Generator("cpu").manual_seed(r.seed)
+                latents = plain(**reference_kwargs(r), generator=generator, output_type="latent").video
+                out[r.id] = (latents.float(), None)
+        return out
+
+    return folder, prompts, requests, one_thread(references)
+
+
+def planned_forwards(requests, scheduler_config) -> tuple[int, int]:
+    """(GEN forwards, UND prefills) by plan/branches.py, over every chunk of every request."""
+    from diffusers import UniPCMultistepScheduler
+
+    total, texts = 0, 0
+    for r in requests:
+        if r.transfer is None:
+            branches = 2 if r.guidance_scale != 1.0 else 1
+            total, texts = total + r.num_inference_steps * branches, texts + branches
+            continue
+        scheduler = UniPCMultistepScheduler.from_config(scheduler_config)
+        scheduler.set_timesteps(r.num_inference_steps)
+        s = r.transfer
+        plan = transfer_plan(scheduler.timesteps.tolist(), r.guidance_scale, s.control_guidance,
+                             s.guidance_interval, s.control_guidance_interval)  # fmt: skip
+        total += s.num_chunks * sum(step.count for step in plan)
+        texts += len(texts_needed(plan))  # the chain keeps its texts' K/V across chunks
+    return total, texts
+
+
+def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt):
+    folder, prompts, requests, reference = setup
+    assert {r.id: r.transfer.num_chunks for r in requests if r.transfer} == {"edge": 1, "two": 1, "chain": 2}
+    jobs = [
+        [CAPTURE_FRAMES, folder / f"{name}-frames", "run", prompts, "--model", tiny_ckpt, "--out",
+         folder / name, *flags, "--save-latents", "--no-progress"]
+        for name, flags in CONFIGS.items()
+    ]  # fmt: skip
+    codes = torchrun_jobs(2, jobs, folder / "launch")
+    forwards, texts = planned_forwards(requests, Checkpoint.open(tiny_ckpt).config("scheduler"))
+    log = folder / "launch" / "stderr.txt"
+    for name, code in zip(CONFIGS, codes, strict=True):
+        assert code == 0, (name, log.read_text()[-3000:])
+        out = folder / name
+        for rid, (latents, frames) in reference.items():
+            assert torch.equal(load_file(out / f"{rid}.latents.safetensors")["latents"], latents), (name, rid)
+            if frames is not None:
+                ours = np.load(folder / f"{name}-frames" / f"{rid}.npy")
+                assert ours.size == frames.size, (name, rid)
+                assert np.array_equal(ours, frames.reshape(ours.shape)), (name, rid)
+            sidecar = json.loads((out / f"{rid}.json").read_text())
+            assert sidecar["kind"] == ("t2v" if "t2v" in rid else "transfer"), (name, rid)
+        ranks = json.loads((out / "summary.json").read_text())["ranks"]
+        assert len({r["collective_trace"] for r in ranks}) == 1, name  # lockstep
+        assert len({r["world_trace"] for r in ranks}) == 1, name
+        assert sum(r["ok"] for r in ranks) == len(ROWS), name
+        assert sum(r["gen_runs"] for r in ranks) == forwards * LAYERS, name
+        assert sum(r["und_runs"] for r in ranks) == texts * LAYERS, name
+        # plan's simulator: the same passes, UND passes, bytes and occupancy as the run (chains included).
+        summary = json.loads((out / "summary.json").read_text())
+        mode, max_active = CONFIGS[name][1], int(CONFIGS[name][3])
+        assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule())
