@@ -6,7 +6,8 @@ their own: they never interleave with the layer gathers on the gather group, whi
 issues from its own thread, and CUDA issues from the compute thread onto the comm stream (so on CUDA every
 rank issues gathers and all-to-alls in the same host order, and the two communicators cannot wait on
 each other). Each one is noted in the pass trace with its row counts, so a test
-can hold every rank of a group to the same sequence of collectives.
+can hold every rank of a group to the same sequence of collectives. Each is also a wait marked for rank 0's
+live warning (`mark`, the pass loop's: parallel/waiting.py): a stalled partner holds the group there.
 
 Agreements (a few flags, read on the host at once) run on a gloo group of the same ranks (`host`; on CPU the
 group itself): on a device group they would block the host until the compute stream drains, a device sync
@@ -15,6 +16,7 @@ DESIGN.md §5 forbids in the steady state (PassSync's exchange is on gloo for th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +25,11 @@ import torch
 import torch.distributed as dist
 
 from cosmos3_batch.parallel.sequence import group_ranks
+from cosmos3_batch.parallel.stall import phase
+from cosmos3_batch.parallel.waiting import WaitMark, peers
 from cosmos3_batch.parallel.world import CPU
+
+_LABELS = {event: phase(event) for event in ("all_to_all", "max", "agree")}  # "an --sp all-to-all", ...
 
 
 @dataclass
@@ -36,6 +42,13 @@ class SeqGroup:
     note: Callable[[str], None] | None = None  # the pass trace (PassSync.note)
     host: object = None  # a gloo group of the same ranks, for `agree` (the group itself on CPU)
     all_to_alls: int = 0
+    mark: WaitMark | None = None  # the pass loop's wait mark (PassSync.waiting), set with `note`
+
+    def _waiting(self, event: str):
+        """Mark a wait on the group's ranks (its first rank's partners are ranks 1..S-1 of the world)."""
+        if self.mark is None:
+            return contextlib.nullcontext()
+        return self.mark.waiting(_LABELS[event], peers(self.size))
 
     @property
     def leads(self) -> bool:
@@ -50,7 +63,8 @@ class SeqGroup:
             row = "x".join(map(str, send.shape[1:]))
             self.note(f"all_to_all:{','.join(map(str, split))}:{row}")
         out = send.new_empty((sum(recv_rows), *send.shape[1:]))
-        dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
+        with self._waiting("all_to_all"):
+            dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
         return out
 
     def max_reduce(self, value: torch.Tensor) -> torch.Tensor:
@@ -59,7 +73,8 @@ class SeqGroup:
         if self.note is not None:
             self.note(f"max:{value.numel()}")
         out = value.reshape(-1).to(self.device, torch.float32)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        with self._waiting("max"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out.reshape(value.shape)
 
     def agree(self, flags: list[bool]) -> list[bool]:
@@ -67,7 +82,8 @@ class SeqGroup:
         if self.note is not None:
             self.note(f"agree:{len(flags)}")
         tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host)
+        with self._waiting("agree"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host)
         return [bool(v) for v in tensor.tolist()]
 
 

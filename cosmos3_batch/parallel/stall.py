@@ -80,14 +80,17 @@ class Place:
             return f"pass {number}, a VAE group exchange"
         if self.stage != "passes" or not self.event:
             return self.stage
-        head = self.event.split(":", 1)[0]
-        if head == "part":
-            layer, part = self.event.split(":", 1)[1].split(".")
-            what = f"the gather of layer {layer}'s {part.upper()} part"
-            phase = what + (" (a prefill pass)" if part.lower() == "und" else "")
-        else:
-            phase = _PHASES.get(head, head)
-        return f"pass {number}, {phase}"
+        return f"pass {number}, {phase(self.event)}"
+
+
+def phase(event: str) -> str:
+    """A trace event (`all_reduce:11`, `part:3.gen`, `all_to_all:...`) as the line and the warning say it."""
+    head = event.split(":", 1)[0]
+    if head != "part":
+        return _PHASES.get(head, head)
+    layer, part = event.split(":", 1)[1].split(".")
+    what = f"the gather of layer {layer}'s {part.upper()} part"
+    return what + (" (a prefill pass)" if part.lower() == "und" else "")
 
 
 @dataclass(frozen=True)

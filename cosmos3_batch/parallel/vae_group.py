@@ -17,7 +17,9 @@ other's messages.
 A call of the process group that fails (posting or waiting) raises `PeerLost`: gloo and NCCL raise a plain
 RuntimeError for a closed connection or a timeout, and the team must tell that from its own compute's
 failure to say which one ended the job. The encode's whole-group broadcasts are noted in the pass trace
-(`note`, set by the pass loop): every rank of the `--sp` group issues them, in the pass loop's order.
+(`note`, set by the pass loop): every rank of the `--sp` group issues them, in the pass loop's order. Every
+wait for a message is marked for rank 0's live warning (`mark`): a peer named by its rank in the group,
+which on rank 0 is its global rank (rank 0's groups are ranks 0..S-1).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch.distributed as dist
 
 from cosmos3_batch.model.vae_patch import Shard
 from cosmos3_batch.parallel.sequence import group_ranks
+from cosmos3_batch.parallel.stall import phase
+from cosmos3_batch.parallel.waiting import WaitMark, peers
 
 
 class PeerLost(RuntimeError):
@@ -45,13 +49,18 @@ def _checked(call: Callable):
 
 
 class _Work:
-    """A posted message: its `wait` raises PeerLost if it fails."""
+    """A posted message: its `wait` raises PeerLost if it fails, and is marked as a wait for `who`."""
 
-    def __init__(self, work):
-        self.work = work
+    def __init__(self, work, group: PatchGroup, who: str | None):
+        self.work, self.group, self.who = work, group, who
 
     def wait(self) -> None:
-        _checked(self.work.wait)
+        mark = self.group.mark
+        if mark is None:
+            _checked(self.work.wait)
+            return
+        with mark.waiting(self.group.what, self.who):
+            _checked(self.work.wait)
 
 
 @dataclass
@@ -64,6 +73,10 @@ class PatchGroup:
     messages: int = 0  # point-to-point tensors sent by this rank (exact: the tests count them)
     sent_bytes: int = 0
     note: Callable[[str], None] | None = None  # the pass trace (the encode group's only: see the module doc)
+    # The waiting thread's mark for rank 0's live warning (parallel/waiting.py; the pass loop's for encodes,
+    # the finisher's for decodes) and how the warning names these messages.
+    mark: WaitMark | None = None
+    what: str = "a VAE group exchange (decode)"
 
     @property
     def member(self) -> bool:
@@ -81,7 +94,7 @@ class PatchGroup:
             self.note(f"broadcast:{'x'.join(map(str, tensor.shape))}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        _Work(_checked(lambda: self.pg.broadcast([tensor], opts))).wait()
+        _Work(_checked(lambda: self.pg.broadcast([tensor], opts)), self, peers(self.size)).wait()
         return tensor
 
     def share_int(self, value: int, root: int = 0) -> int:
@@ -93,13 +106,13 @@ class PatchGroup:
         self.messages += 1
         self.sent_bytes += tensor.numel() * tensor.element_size()
         # The tensor is kept alive until the send is waited on.
-        return _Work(_checked(lambda: self.pg.send([tensor], to, 0))), tensor
+        return _Work(_checked(lambda: self.pg.send([tensor], to, 0)), self, f"rank {to}"), tensor
 
     def _recv(self, like: torch.Tensor, rows: int, dim: int, source: int):
         shape = list(like.shape)
         shape[dim] = rows
         buffer = like.new_empty(shape)
-        return _Work(_checked(lambda: self.pg.recv([buffer], source, 0))), buffer
+        return _Work(_checked(lambda: self.pg.recv([buffer], source, 0)), self, f"rank {source}"), buffer
 
 
 class _Bound:
@@ -189,4 +202,6 @@ def build_decode_group(
 def encode_group(seq_pg, sp_rank: int, sp: int, parts: int, device: torch.device) -> PatchGroup | None:
     """The encode team: the first P ranks of the --sp group, on the group's own process group (the pass
     loop's thread issues both its all-to-alls and the encodes of the requests it admits)."""
-    return None if parts == 1 else PatchGroup(seq_pg, sp_rank, parts, sp, device)
+    if parts == 1:
+        return None
+    return PatchGroup(seq_pg, sp_rank, parts, sp, device, what=phase("broadcast"))

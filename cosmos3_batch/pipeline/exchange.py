@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cosmos3_batch.parallel.stall import Place
+from cosmos3_batch.parallel.stall import Place, phase
+from cosmos3_batch.parallel.waiting import WaitMark, peers
 from cosmos3_batch.plan.prefill import SlotReport
 
 
@@ -43,6 +44,7 @@ class Figures:
     stall_s: float = 0.0  # its compute waited for parts in its last pass
 
 
+EXCHANGE = phase("all_reduce")  # "the per-pass exchange", as the line that ends a stalled job says it
 FLAGS = 8  # [active, starved, overdue, pending, needs-UND, finished, stop, computing branches]
 FIGURES = 3  # [failed, weight bytes, stall microseconds]; then one slot per rank: its last wait, in ms
 
@@ -67,6 +69,10 @@ class PassSync:
         self.all_reduces = 0
         self.waiting_since: float | None = None  # monotonic: this rank is in the exchange since then
         self.last_exchange = time.monotonic()  # when the last exchange ended (every rank was there)
+        # What the pass loop's thread waits for (the exchange, a layer part, an --sp all-to-all, a VAE group
+        # message), and the other threads' marks (a group decode's): rank 0's monitor reads them.
+        self.waiting = WaitMark()
+        self.marks = [self.waiting]
         self._waited_s = 0.0
         self._trace = hashlib.sha256()
         self._world_trace = hashlib.sha256()
@@ -92,7 +98,8 @@ class PassSync:
         self.waiting_since = time.monotonic()
         if self.world_size > 1:
             tensor = torch.tensor(values, dtype=torch.int64)
-            dist.all_reduce(tensor, group=self.group)
+            with self.waiting.waiting(EXCHANGE, peers(self.world_size)):
+                dist.all_reduce(tensor, group=self.group)
             values = tensor.tolist()
         self.last_exchange = time.monotonic()
         self._waited_s, self.waiting_since = self.last_exchange - self.waiting_since, None

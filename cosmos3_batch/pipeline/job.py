@@ -251,9 +251,9 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
     place.enter("loading", cfg.load_timeout_s, "--load-timeout-s")
     world.wait_for_ranks(cfg.load_timeout_s, "loading")
-    weights = build_weights(
-        ctx.layers, checkpoint, cfg.offload, world, transformer_rule(checkpoint, cfg.dtype)
-    )
+    sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
+    rule = transformer_rule(checkpoint, cfg.dtype)
+    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world, rule, sync.waiting)
     place.enter("reading the shards")
     world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
     place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
@@ -273,7 +273,6 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     )
     if world.is_main and (recovered := writer.recover_rows(plan.complete)):
         log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
-    sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
     monitor = None
     if world.is_main:  # the lag warnings, and --metrics-textfile
         monitor = start_monitor(cfg, sync, len(plan.requests), len(plan.complete), started)

@@ -2,8 +2,10 @@
 
 Everything comes from the per-pass exchange (pipeline/exchange.py), which already carries each rank's
 counts; nothing here issues a collective. A thread wakes every second: it writes the text file every
-`--metrics-interval-s` and warns when rank 0 has waited for the others in an exchange for more than
-`LAG_SHARE` of `--collective-timeout-s` (then the job is that far from ending with 69). After each
+`--metrics-interval-s` and warns when rank 0 has waited for the others for more than `LAG_SHARE` of
+`--collective-timeout-s` (then the job is that far from ending with 69), wherever it waits: the exchange,
+a layer part's gather, an `--sp` all-to-all or agreement, a VAE group message (the waits the pass loop and
+the finisher mark: parallel/waiting.py), naming the wait as the line that ends the job would. After each
 exchange, the ranks' own waits say who came last and how late: a rank that lagged the first by more than
 that share is named (once per episode: again only after it has caught up).
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io.prometheus import Snapshot, job_labels, write_textfile
+from cosmos3_batch.parallel.waiting import Wait
 from cosmos3_batch.pipeline.exchange import Exchanged, PassSync
 
 log = logging.getLogger("cosmos3_batch")
@@ -45,7 +48,7 @@ class JobMonitor:
         self.passes = lambda: (0, 0)  # (passes, UND passes): the runner's, once there is one
         self._lock = threading.Lock()
         self._lagging: set[int] = set()
-        self._waited_warned = 0  # the exchange (count) whose long wait was last named
+        self._waited_warned: dict[int, int] = {}  # per wait mark, the episode last named
         self._window = (time.monotonic(), 0)  # (when, outputs done) at the previous write
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="cosmos3-monitor", daemon=True)
@@ -90,18 +93,23 @@ class JobMonitor:
                 last_write = time.monotonic()
 
     def _name_long_wait(self) -> None:
-        since, count = self.sync.waiting_since, self.sync.all_reduces
-        if since is None or count == self._waited_warned:
-            return
-        waited = time.monotonic() - since
-        if waited > LAG_SHARE * self.timeout_s:
-            self._waited_warned = count
-            world = self.sync.world_size
-            who = "rank 1" if world == 2 else f"one or more of ranks 1-{world - 1}"
-            log.warning(
-                "rank 0 has waited %.0f s in pass %d's exchange for %s (at --collective-timeout-s %g the "
-                "job ends with 69)", waited, count - 1, who, self.timeout_s,
-            )  # fmt: skip
+        """Each wait of rank 0 (the loop's, the finisher's: `PassSync.marks`) past the share, said once."""
+        for mark in self.sync.marks:
+            wait = mark.state  # read once: the loop may end this wait and begin another meanwhile
+            if wait is None or wait.episode == self._waited_warned.get(id(mark)):
+                continue
+            waited = time.monotonic() - wait.since
+            if waited > LAG_SHARE * self.timeout_s:
+                self._waited_warned[id(mark)] = wait.episode
+                self._say_wait(wait, waited)
+
+    def _say_wait(self, wait: Wait, waited: float) -> None:
+        world, number = self.sync.world_size, max(self.sync.all_reduces - 1, 0)
+        who = wait.who or ("rank 1" if world == 2 else f"one or more of ranks 1-{world - 1}")
+        log.warning(
+            "rank 0 has waited %.0f s for %s at pass %d, %s (at --collective-timeout-s %g the job ends "
+            "with 69)", waited, who, number, wait.what, self.timeout_s,
+        )  # fmt: skip
 
     def figures(self) -> Snapshot:
         """The snapshot as of now: per rank, seconds since it last reached the per-pass exchange."""

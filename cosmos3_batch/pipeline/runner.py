@@ -27,6 +27,7 @@ from cosmos3_batch.engine.transport import Counters
 from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
+from cosmos3_batch.parallel.waiting import WaitMark
 from cosmos3_batch.pipeline.apply import PartApplier
 from cosmos3_batch.pipeline.context import ModelContext
 from cosmos3_batch.pipeline.denoise import RequestJob, Result
@@ -119,10 +120,7 @@ class PassRunner:
         # --vae-patch-parallel-size: the group's first P ranks decode each finished request together.
         self.team = ctx.vae_team
         self.decodes = self.team is not None and self.team.decodes
-        if sp is not None:
-            sp.note = self.sync.note
-        if self.team is not None:  # the encodes' broadcasts, which every rank of the group issues
-            self.team.encoding.note = self.sync.note
+        self._trace_groups()
         # --max-batch-rows: a batched group's transient (MLP gate/up/product above all) grows with its rows.
         # Its und_runs / gen_runs count the UND / GEN half applications (layer x branch).
         self.apply = PartApplier(ctx.split, batch_branches, max_batch_rows, strict=sp is not None)
@@ -138,6 +136,16 @@ class PassRunner:
         self._moved = Counters()  # the last pass's counters, until the next exchange carries them
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
+
+    def _trace_groups(self) -> None:
+        """The groups' collectives go into the pass trace, and their waits are marked for rank 0's monitor."""
+        if self.sp is not None:
+            self.sp.note, self.sp.mark = self.sync.note, self.sync.waiting
+        if self.team is not None:  # the encodes' broadcasts, which every rank of the group issues
+            self.team.encoding.note, self.team.encoding.mark = self.sync.note, self.sync.waiting
+            if self.team.decoding is not None:  # the finisher's waits: a mark of its own
+                self.team.decoding.mark = WaitMark("the finisher")
+                self.sync.marks.append(self.team.decoding.mark)
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:

@@ -6,10 +6,12 @@ import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.engine.offload import LayerOffload, OffloadConfig, PartBinding
-from cosmos3_batch.engine.transport import Counters, OffloadMode
+from cosmos3_batch.engine.transport import Counters, OffloadMode, gathers
 from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND, layer_parts, part_index
 from cosmos3_batch.model.dtypes import DtypeRule
 from cosmos3_batch.model.fp8 import Fp8Compute
+from cosmos3_batch.parallel.stall import phase
+from cosmos3_batch.parallel.waiting import WaitMark, peers
 from cosmos3_batch.parallel.world import World
 
 
@@ -44,10 +46,16 @@ class OffloadedWeights:
     the runner finishes the pass, exchanges and embeds (on every rank alike: the gathers stay in step).
     """
 
-    def __init__(self, engine: LayerOffload, layers: torch.nn.ModuleList):
+    def __init__(self, engine: LayerOffload, layers: torch.nn.ModuleList, mark: WaitMark | None = None):
         self.engine = engine
         self.layers = layers
         n = len(layers)
+        # The compute thread's wait for a part is a wait for its gather, which needs every rank (on CPU the
+        # fetch worker issues it; compute blocks until it is done): marked for rank 0's monitor, with labels
+        # made once here, so a layer costs a timestamp. Parts read locally wait for no peer: not marked.
+        self.mark = mark if gathers(engine.source) else None
+        self._who = peers(engine.config.world_size)
+        self._labels = {(i, p): phase(f"part:{i}.{p}") for i in range(n) for p in (UND, GEN)}
         self._orders = {
             True: [part_index(i, p) for i in range(n) for p in (UND, GEN)],
             False: [part_index(i, GEN) for i in range(n)],
@@ -58,7 +66,11 @@ class OffloadedWeights:
         self.engine.begin_pass(self._orders[und], prefetch=self._next_head)
 
     def layer(self, index: int, part: str) -> torch.nn.Module:
-        self.engine.acquire(part_index(index, part))
+        if self.mark is None:
+            self.engine.acquire(part_index(index, part))
+        else:
+            with self.mark.waiting(self._labels[index, part], self._who):
+                self.engine.acquire(part_index(index, part))
         return self.layers[index]
 
     def end_pass(self) -> Counters:
@@ -91,9 +103,11 @@ def build_weights(
     mode: OffloadMode,
     world: World,
     cast: DtypeRule | None = None,
+    mark: WaitMark | None = None,
 ):
     """`cast`: the `--dtype` rule (model/loading.py transformer_rule): the engine casts the shards it reads
-    by it, as loading casts resident weights."""
+    by it, as loading casts resident weights. `mark`: the pass loop's (PassSync.waiting), set around each
+    wait for a gathered part."""
     if mode is OffloadMode.RESIDENT:
         return ResidentWeights(layers)
     bindings = [
@@ -103,4 +117,4 @@ def build_weights(
         mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=LANE_SLOTS, cast=cast
     )
     engine = LayerOffload(bindings, checkpoint.store("transformer"), config, world.device, world.gather_group)
-    return OffloadedWeights(engine, layers)
+    return OffloadedWeights(engine, layers, mark)

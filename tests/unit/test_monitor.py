@@ -1,16 +1,29 @@
 """Rank 0's monitor (pipeline/monitor.py): a rank that came late to an exchange by more than half the
-collective timeout is named once per episode; rank 0 waiting that long in an exchange is said while it
-waits; the figures it writes parse back with prometheus_client's parser."""
+collective timeout is named once per episode; rank 0 waiting that long (in an exchange, for a layer part's
+gather, in an --sp all-to-all, for a VAE group message) is said while it waits, once per wait, naming the
+wait; the figures it writes parse back with prometheus_client's parser."""
 
 from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from cosmos3_batch.engine.transport import OffloadMode
+from cosmos3_batch.model.cosmos3 import GEN, UND, part_index
+from cosmos3_batch.model.vae_patch import Shard
+from cosmos3_batch.parallel import seq_group
+from cosmos3_batch.parallel.seq_group import SeqGroup
+from cosmos3_batch.parallel.vae_group import PatchGroup
+from cosmos3_batch.parallel.waiting import WaitMark
+from cosmos3_batch.pipeline import exchange
 from cosmos3_batch.pipeline.exchange import Exchanged, PassSync
 from cosmos3_batch.pipeline.monitor import JobMonitor
+from cosmos3_batch.pipeline.weights import OffloadedWeights
+from cosmos3_batch.plan.prefill import SlotReport
 
 
 def exchanged(waited: tuple[float, ...], finished: int = 0, failed: int = 0) -> Exchanged:
@@ -33,18 +46,110 @@ def test_a_rank_late_to_an_exchange_is_named_once_per_episode(caplog):
     )
 
 
-def test_rank_0_waiting_half_the_timeout_in_an_exchange_is_said_while_it_waits(caplog):
+class Stall:
+    """Inside a wait: backdate the mark's start by `seconds` (as if it had blocked that long) and let the
+    monitor look twice, as its thread would on two ticks. No clock is raced: the wait is as long as said."""
+
+    def __init__(self, monitor: JobMonitor, mark: WaitMark, seconds: float = 16.0):
+        self.monitor, self.mark, self.seconds = monitor, mark, seconds
+        self.looked = 0
+
+    def __call__(self, *args, **kwargs) -> None:
+        state = self.mark.state
+        assert state is not None, "the wait is not marked"
+        self.mark.state = state._replace(since=state.since - self.seconds)
+        self.monitor._name_long_wait()
+        self.monitor._name_long_wait()  # the same wait: said once
+        self.looked += 1
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_rank_0_waiting_half_the_timeout_in_an_exchange_is_said_while_it_waits(caplog, monkeypatch):
     sync = PassSync(world_size=2)
-    sync.all_reduces, sync.waiting_since = 8, time.monotonic() - 16
+    sync.all_reduces = 7
     monitor = JobMonitor(sync, timeout_s=30)
+    stall = Stall(monitor, sync.waiting)
+    monkeypatch.setattr(exchange.dist, "all_reduce", stall)
     with caplog.at_level(logging.WARNING, logger="cosmos3_batch"):
-        monitor._name_long_wait()
-        monitor._name_long_wait()  # the same wait: said once
-    assert [r.getMessage() for r in caplog.records] == [
-        "rank 0 has waited 16 s in pass 7's exchange for rank 1 (at --collective-timeout-s 30 the job ends "
-        "with 69)"
+        sync.exchange(0, SlotReport(0, 0, 0), False, 0)
+        monitor._name_long_wait()  # the exchange is over: nothing is waited for
+    assert stall.looked == 1 and sync.waiting.state is None
+    assert warnings(caplog) == [
+        "rank 0 has waited 16 s for rank 1 at pass 7, the per-pass exchange (at --collective-timeout-s 30 "
+        "the job ends with 69)"
     ]
-    snap = monitor.figures()
+
+
+def test_rank_0_waiting_for_a_gather_past_the_share_is_named_once_per_wait(caplog):
+    """The compute thread's wait for a part (its gather runs on the fetch worker): one warning naming the
+    gather and the pass, as the line that ends the job would; none for a wait that ends in time."""
+    sync = PassSync(world_size=2)
+    sync.all_reduces = 24  # in pass 23
+    monitor = JobMonitor(sync, timeout_s=30)
+    stall, waits = Stall(monitor, sync.waiting), []
+
+    def acquire(part: int) -> None:
+        waits.append(sync.waiting.state)
+        monitor._name_long_wait()  # in time: just begun
+        if part == part_index(1, GEN):
+            stall()
+
+    source = SimpleNamespace(mode=OffloadMode.ALLGATHER, world_size=2)
+    engine = SimpleNamespace(source=source, config=SimpleNamespace(world_size=2), acquire=acquire)
+    weights = OffloadedWeights(engine, torch.nn.ModuleList([torch.nn.Identity()] * 3), sync.waiting)
+    with caplog.at_level(logging.WARNING, logger="cosmos3_batch"):
+        for index in range(3):
+            weights.layer(index, UND)
+            weights.layer(index, GEN)
+        monitor._name_long_wait()
+    assert warnings(caplog) == [
+        "rank 0 has waited 16 s for rank 1 at pass 23, the gather of layer 1's GEN part (at "
+        "--collective-timeout-s 30 the job ends with 69)"
+    ]
+    assert [w.what for w in waits[:2]] == [
+        "the gather of layer 0's UND part (a prefill pass)",
+        "the gather of layer 0's GEN part",
+    ]
+    assert len({w.episode for w in waits}) == 6 and sync.waiting.state is None
+    with caplog.at_level(logging.WARNING, logger="cosmos3_batch"):  # a later stall is a new episode
+        engine.acquire = stall
+        weights.layer(0, GEN)
+    assert len(warnings(caplog)) == 2 and "layer 0's GEN part" in warnings(caplog)[1]
+    read = SimpleNamespace(mode=OffloadMode.LOCAL, world_size=2)
+    local = SimpleNamespace(source=read, config=engine.config)
+    assert OffloadedWeights(local, weights.layers, sync.waiting).mark is None  # a local read awaits no peer
+
+
+def test_rank_0_waiting_in_an_sp_all_to_all_or_a_vae_group_message_is_named(caplog, monkeypatch):
+    sync = PassSync(world_size=4)
+    sync.all_reduces = 3
+    monitor = JobMonitor(sync, timeout_s=10)
+    group = SeqGroup(2, 0, 0, mark=sync.waiting)
+    stall = Stall(monitor, sync.waiting, seconds=6)
+    monkeypatch.setattr(seq_group.dist, "all_to_all_single", stall)
+    finisher = WaitMark("the finisher")
+    sync.marks.append(finisher)
+    work = SimpleNamespace(wait=Stall(monitor, finisher, seconds=5.5))
+    decode = PatchGroup(SimpleNamespace(recv=lambda *a: work), 0, 2, 2, mark=finisher)
+    with caplog.at_level(logging.WARNING, logger="cosmos3_batch"):
+        group.all_to_all_rows(torch.zeros(2, 3), [1, 1], [1, 1])
+        decode.bind(Shard(3, (2, 2), 0)).collect(torch.zeros(1, 1, 1, 2, 2), 3)
+    assert warnings(caplog) == [
+        "rank 0 has waited 6 s for rank 1 at pass 2, an --sp all-to-all (at --collective-timeout-s 10 the "
+        "job ends with 69)",
+        "rank 0 has waited 6 s for rank 1 at pass 2, a VAE group exchange (decode) (at "
+        "--collective-timeout-s 10 the job ends with 69)",
+    ]
+    assert sync.waiting.state is None and finisher.state is None
+
+
+def test_the_figures_say_rank_0_is_waiting_and_its_peers_are_awaited():
+    sync = PassSync(world_size=2)
+    sync.waiting_since = time.monotonic() - 16
+    snap = JobMonitor(sync, timeout_s=30).figures()
     assert snap.since_progress[0] == 0.0 and snap.since_progress[1] > 0  # rank 0 waits; rank 1 is awaited
 
 
