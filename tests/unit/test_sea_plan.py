@@ -82,6 +82,13 @@ def test_plan_estimates_with_the_reuse_share(tiny_ckpt, tmp_path):
     seconds = [d["estimate"]["seconds_per_pass"] for d in (plain, default, half)]
     assert seconds[0] > seconds[1] > seconds[2]
     assert plain["simulation"] == half["simulation"]  # the passes a request rides do not change
+    # Offloaded, a pass that computes anything fetches every layer: the bytes per pass stay.
+    moved = [prompts, "--model", str(tiny_ckpt), "--offload", "allgather", "--nproc", "2"]
+    fetched = [plan_doc(*moved, *extra)["estimate"] for extra in ([], ["--cache", "sea"])]
+    keys = ("bytes_h2d_per_pass", "bytes_gathered_per_pass")
+    plain_bytes, cached_bytes = ([e[k] for k in keys] for e in fetched)
+    assert plain_bytes == cached_bytes
+    assert fetched[0]["bytes_h2d_per_pass"] > 0 and fetched[1]["skipped_share"] == skip_share(0.44, 8)
 
 
 def test_plan_refuses_a_reuse_share_out_of_range(tmp_path):

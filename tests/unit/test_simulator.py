@@ -139,3 +139,15 @@ def test_the_event_driven_simulator_equals_the_pass_by_pass_replay(seed):
     und_cache = seed % 5 != 4
     expected = replay(queues, max_active, rule, PartBytes(10, 7), und_cache)
     assert simulate(queues, max_active, rule, PartBytes(10, 7), und_cache) == expected
+
+
+def test_the_random_cached_queues_skip_some_passes():
+    """Guards the test above: its replayed decisions do make whole passes skip on some seeds."""
+    import random
+
+    skipped = 0
+    for seed in range(1, 12, 3):
+        rng = random.Random(seed)
+        queues = [[random_request(rng, f"r{q}-{i}", True) for i in range(8)] for q in range(2)]
+        skipped += simulate(queues, 1, PrefillRule(), PartBytes(10, 7)).skipped_passes
+    assert skipped > 0
