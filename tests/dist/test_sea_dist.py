@@ -3,7 +3,7 @@ and --sp 2 equal the single-process run (latents bit for bit, every branch's per
 equals diffusers' cached pipeline: tests/unit/test_sea_fidelity.py); world-wide collectives identical on
 every rank; and a job of identical requests admitted together, in which every branch of every rank reuses
 at the same passes: those passes walk no layer and fetch nothing (the pass timeline and the fetch count
-show it)."""
+show it); and the pass simulator, replaying each job's recorded decisions, predicts its passes exactly."""
 
 from __future__ import annotations
 
