@@ -280,6 +280,8 @@ def plan(
     ] = False,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
+    cache: cli_cache.Cache = "none",
+    cache_reuse: cli_cache.Reuse = cli_cache.PUBLISHED_REUSE,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
@@ -301,7 +303,7 @@ def plan(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
-            vae_parts=vae_patch_parallel_size,
+            vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

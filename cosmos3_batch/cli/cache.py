@@ -4,11 +4,12 @@ Defaults are diffusers' `SeaCacheConfig` defaults (plan/cache.py SeaSettings, he
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from typing import Annotated
 
 import typer
 
-from cosmos3_batch.plan.cache import SeaSettings
+from cosmos3_batch.plan.cache import PUBLISHED_REUSE, SeaSettings, parse_cache
 
 SEA = SeaSettings()
 
@@ -41,3 +42,17 @@ MaxConsecutive = Annotated[
     ),
 ]
 PowerExp = Annotated[float, typer.Option(help="SeaCacheConfig.power_exp: exponent of the SEA power prior.")]
+Reuse = Annotated[
+    float,
+    typer.Option(
+        help=f"plan --cache sea: the share of branch forwards taken to reuse (default {PUBLISHED_REUSE}: "
+        "vLLM-Omni's published 1.80x/1.82x on Cosmos3-Nano 720p, vllm-omni PR #6922, is 1 - 1/1.8 of the "
+        "forwards; docs/running.md has this model's measured shares by threshold)."
+    ),
+]
+
+
+def plan_cache(kind: str, reuse: float) -> tuple[SeaSettings, float] | None:
+    """plan's --cache and --cache-reuse: the settings (diffusers' defaults) and the share, None for none."""
+    settings = parse_cache((kind, *astuple(SEA)))
+    return None if settings is None else (settings, reuse)

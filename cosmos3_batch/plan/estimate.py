@@ -38,6 +38,10 @@ class Estimate:
     decode_s: float = 0.0
     decode_s_unsplit: float = 0.0
     decode_bytes_unsplit: int = 0
+    # --cache sea (plan --cache-reuse): the share of branch forwards taken to reuse (seconds_per_pass counts
+    # only the rest), and the share of passes guessed to skip their fetch (plan/cache.skip_share).
+    cache_reuse: float = 0.0
+    skipped_share: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -23,6 +23,7 @@ from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
 from cosmos3_batch.plan.branches import most_branches, steps_and_texts
+from cosmos3_batch.plan.cache import SeaSettings, check_cache, check_reuse, skip_share
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
     decode_bytes,
@@ -58,10 +59,11 @@ def estimate(
     vae_tiling: bool = False,
     vae_parts: int = 1,
     assignment: Assignment | None = None,
+    reuse: float = 0.0,
 ) -> Estimate:
     """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget.
     `vae_parts`: --vae-patch-parallel-size. `assignment`: the schedule of `requests` over the groups, when
-    the caller has it already."""
+    the caller has it already. `reuse`: --cache sea's share of branch forwards reused (plan/cache.py)."""
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
     shards = sum(p.shard_bytes for p in shape.parts)
@@ -80,9 +82,11 @@ def estimate(
     activations = kept + transient
     h2d, gathered = _bytes_per_pass(gen_parts, mode, world_size)
     sequences = branches * max_active if typical else 0
-    work = (sequences, gen_len, und)
+    work = (sequences * (1 - reuse), gen_len, und)  # a reusing branch runs no layer
     pass_s = _seconds_per_pass(shape, gen_parts, mode, (world_size, nnodes), hw, work, sp)
     groups = world_size // sp
+    skipped = skip_share(reuse, groups * max_active)
+    pass_s *= 1 - skipped  # a pass no branch computes fetches nothing and costs next to nothing
     a2a = SpCost(activations, 0, 0.0)
     if sp > 1:  # a group of S holds K requests; each rank 1/S of their GEN rows, all of their UND K/V
         a2a_gbps = hw.gather_gbps if not spans_nodes(sp, per_node) else hw.inter_node_gbps
@@ -125,6 +129,7 @@ def estimate(
         est.decode_s_unsplit = decode_seconds(shape, requests, 1, hw.tflops, hw.gather_gbps)
         est.decode_bytes_unsplit = decode_bytes(shape, requests, False)
     est.warnings = _warnings(est, per_node, hw)
+    est.cache_reuse, est.skipped_share = reuse, skipped
     return est
 
 
@@ -272,9 +277,11 @@ def plan_job(
     max_batch_rows: int | None = MAX_BATCH_ROWS,
     vae_tiling: bool = False,
     vae_parts: int = 1,
+    cache: tuple[SeaSettings, float] | None = None,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
-    `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id."""
+    `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
+    `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse)."""
     rule = rule if rule is not None else PrefillRule()
     from cosmos3_batch.engine.transport import parse_offload
     from cosmos3_batch.model.limits import limits_for
@@ -307,6 +314,9 @@ def plan_job(
     if shard is not None:
         index, count = parse_shard(shard)
         requests = [r for r in requests if in_shard(r.id, index, count)]
+    if cache is not None:
+        check_cache(cache[0], requests)  # what run refuses with --cache sea, plan refuses too
+        check_reuse(cache[1])
     assignment = assign(requests, groups)
     doc: dict = {
         **({"model": source.record()} if source is not None else {}),
@@ -338,7 +348,7 @@ def plan_job(
         tokens = prompt_tokens(checkpoint, requests)
         est = estimate(
             shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp,
-            max_batch_rows, vae_tiling, vae_parts, assignment,
+            max_batch_rows, vae_tiling, vae_parts, assignment, cache[1] if cache else 0.0,
         )  # fmt: skip
         doc["estimate"] = est.to_dict()
         if not plan_text.resolvable(est):
@@ -349,6 +359,9 @@ def plan_job(
             "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
             "(reads only the checkpoint's configs and headers)"
         )
+    if cache is not None:
+        doc["cache"] = {**cache[0].record(), "reuse": cache[1]}
+        text.append(plan_text.describe_cache(cache[1], doc.get("estimate")))
     if warning := idle_warning(assignment.idle_share):
         doc.setdefault("warnings", []).append(warning)
         text.append(f"WARNING: {warning}")

@@ -19,6 +19,12 @@ class SimRequest:
     id: str
     steps: int
     branches: int = 1  # 2 with classifier-free guidance
+    # --cache sea, replayed: per step "C" when some branch ran the decoder stack, "R" when every branch
+    # reused (plan/cache.step_decisions of a sidecar's decisions); "" = every step computes.
+    decisions: str = ""
+
+    def __post_init__(self) -> None:
+        assert not self.decisions or len(self.decisions) == self.steps, (self.id, self.decisions)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Simulation:
     bytes_per_output: float  # all ranks' weight bytes / outputs
     und_byte_share: float  # share of the weight bytes that were UND halves
     und_sequence_runs: int  # branches prefilled (each runs the UND half of every layer once)
+    skipped_passes: int = 0  # --cache sea, replayed decisions: passes no branch anywhere computed (no fetch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,11 +63,15 @@ class _Totals:
         self.total_active = self.total_starved = self.active_sum = 0
         self.finishing: dict[int, list[int]] = {}  # pass -> ranks of requests taking their last step in it
         self.starving_since: deque[int] = deque()  # first pass of each current starvation, oldest first
+        self.reusing: dict[int, int] = {}  # pass -> active requests all of whose branches reuse on it
 
-    def activate(self, rank: int, jobs, now: int) -> None:
-        for steps, _ in jobs:
-            self.finishing.setdefault(now + steps - 1, []).append(rank)
-            self.active_sum += steps  # active on this pass and each of its remaining steps
+    def activate(self, rank: int, jobs: list[SimRequest], now: int) -> None:
+        for r in jobs:
+            self.finishing.setdefault(now + r.steps - 1, []).append(rank)
+            self.active_sum += r.steps  # active on this pass and each of its remaining steps
+            for step, decision in enumerate(r.decisions):  # step i is taken on pass now + i
+                if decision == "R":
+                    self.reusing[now + step] = self.reusing.get(now + step, 0) + 1
         self.active[rank] += len(jobs)
         self.total_active += len(jobs)
 
@@ -82,8 +93,8 @@ class _Totals:
         admitted = branches = 0
         for rank, s in enumerate(slots):
             started, later = s.admissions(self.active[rank])
-            self.activate(rank, [(r.steps, r.branches) for r in started], now)
-            s.ready.extend((r.steps, r.branches) for r in later)
+            self.activate(rank, started, now)
+            s.ready.extend(later)
             admitted += len(started)
             branches += sum(r.branches for r in started) + sum(r.branches for r in later)
         self.starved = [0] * len(self.starved)  # every free slot was filled, or the queue ran dry
@@ -123,7 +134,7 @@ def simulate(
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
     totals = _Totals(world, max_active)
     pending = sum(len(q) for q in queues)
-    passes = und_passes = prefilled = outputs = 0
+    passes = und_passes = prefilled = outputs = skipped = 0
     touched = list(range(world))  # ranks whose requests finished on the pass before (at first: all)
     while True:
         for rank in touched:  # their freed slots take prefilled requests, or starve
@@ -136,6 +147,9 @@ def simulate(
         overdue = totals.overdue(passes, rule.max_wait)
         und = und_pass(rule, world * max_active, totals.total_active, totals.total_starved, overdue)
         und = und or (not und_cache and totals.total_active > 0)
+        # The runner's skip: no UND pass, something active, and every active request reuses on this pass.
+        reusing = totals.reusing.pop(passes, 0)
+        skipped += not und and totals.total_active > 0 and reusing == totals.total_active
         if und:
             admitted, branches = totals.admit(slots, passes)
             pending -= admitted
@@ -147,7 +161,7 @@ def simulate(
         touched = sorted(set(touched))
     if not und_cache:  # the ablation recomputes every active branch's UND half every step
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
-    per_rank = passes * part_bytes.gen + und_passes * part_bytes.und
+    per_rank = (passes - skipped) * part_bytes.gen + und_passes * part_bytes.und
     moved = per_rank * world * ranks_per_queue
     return Simulation(
         passes=passes,
@@ -158,4 +172,5 @@ def simulate(
         bytes_per_output=moved / outputs if outputs else 0.0,
         und_byte_share=und_passes * part_bytes.und / per_rank if per_rank else 0.0,
         und_sequence_runs=prefilled,
+        skipped_passes=skipped,
     )

@@ -109,3 +109,20 @@ def _size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def describe_cache(reuse: float, est: dict | None) -> str:
+    """The --cache sea line: what the reuse share buys (time) and what it does not (bytes, mostly)."""
+    line = (
+        f"--cache sea: {reuse:.0%} of branch forwards taken to reuse (--cache-reuse; the default is "
+        "vLLM-Omni's published 1.8x on Cosmos3-Nano, docs/scale.md)"
+    )
+    if est is None:
+        return line + "; add --model for its time"
+    skipped = est["skipped_share"]
+    return (
+        f"{line}; seconds per pass above count only the computing branches. A pass fetches every layer "
+        f"while any branch anywhere computes: {skipped:.2%} of passes guessed to skip their fetch "
+        f"(requests deciding independently), so weight bytes per output x {1 - skipped:.3f}; a fetch-bound "
+        "job gains little from the cache"
+    )

@@ -3,7 +3,7 @@ and --sp 2 equal the single-process run (latents bit for bit, every branch's per
 equals diffusers' cached pipeline: tests/unit/test_sea_fidelity.py); world-wide collectives identical on
 every rank; and a job of identical requests admitted together, in which every branch of every rank reuses
 at the same passes: those passes walk no layer and fetch nothing (the pass timeline and the fetch count
-show it)."""
+show it); and the pass simulator, replaying each job's recorded decisions, predicts its passes exactly."""
 
 from __future__ import annotations
 
@@ -61,6 +61,27 @@ def passes(out: Path, rank: int) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def replay(prompts: Path, out: Path, flags: list[str]) -> tuple[int, int, int]:
+    """The pass simulator on the run's schedule (as `plan` builds it) with each request's decisions read
+    back from its sidecar: (passes, UND passes, skipped passes)."""
+    from cosmos3_batch.plan.branches import steps_and_texts
+    from cosmos3_batch.plan.cache import step_decisions
+    from cosmos3_batch.plan.prefill import PrefillRule
+    from cosmos3_batch.plan.schedule import assign
+    from cosmos3_batch.plan.simulator import SimRequest, simulate
+    from cosmos3_batch.requests.parse import load_requests
+
+    max_active, sp = int(flags[flags.index("--max-active") + 1]), 2 if "--sp" in flags else 1
+    requests, errors = load_requests(str(prompts))
+    assert errors == []
+    queues = [
+        [SimRequest(r.id, *steps_and_texts(r), step_decisions(outputs(out, [r.id])[r.id][1])) for r in queue]
+        for queue in assign(requests, 2 // sp).queues
+    ]
+    sim = simulate(queues, max_active, PrefillRule(), ranks_per_queue=sp)
+    return sim.passes, sim.und_passes, sim.skipped_passes
+
+
 def test_world_2_equals_one_process_and_skips_fetches_together(setup):
     ckpt, prompts, same, folder = setup
     single = folder / "single"
@@ -97,6 +118,13 @@ def test_world_2_equals_one_process_and_skips_fetches_together(setup):
             ]
             assert idle and all(int(p["weight_bytes"]) > 0 for p in idle)
     assert reused > 0
+    for name in configs:  # the simulator, given the run's decisions, predicts its passes exactly
+        rows = SAME if name == "same" else ROWS
+        replayed = replay(same if name == "same" else prompts, folder / name, configs[name])
+        ranks = json.loads((folder / name / "summary.json").read_text())["ranks"]
+        for report in ranks:
+            counters = (report["passes"], report["und_passes"], report["skipped_passes"])
+            assert counters == replayed, (name, [r["id"] for r in rows])
     # Every branch of every rank reuses at the same passes: those passes fetch nothing, on both ranks.
     summary = json.loads((folder / "same" / "summary.json").read_text())
     decisions = outputs(folder / "same", [r["id"] for r in SAME])

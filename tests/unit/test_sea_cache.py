@@ -185,7 +185,7 @@ def test_run_records_the_cache_everywhere(tmp_path, tiny_ckpt):
 
 
 def test_inverse_dynamics_is_refused_before_loading(tmp_path, tiny_av_ckpt):
-    """The same request runs without --cache; with it, exit 2 naming the mode and the reason."""
+    """The same request runs without --cache; with it, run and plan exit 2 naming the mode and the reason."""
     row = {
         "id": "inv",
         "prompt": "a robot arm",
@@ -199,3 +199,6 @@ def test_inverse_dynamics_is_refused_before_loading(tmp_path, tiny_av_ckpt):
     assert result.exit_code == 2
     assert "--cache sea does not apply to action mode inverse_dynamics" in result.output
     assert not (tmp_path / "o").exists()
+    planned = invoke("plan", prompts, "--model", tiny_av_ckpt, "--cache", "sea")  # plan refuses it alike
+    assert planned.exit_code == 2
+    assert "--cache sea does not apply to action mode inverse_dynamics" in planned.output

@@ -81,7 +81,7 @@ def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = Tr
     rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
     active: list[list[list]] = [[] for _ in queues]
-    passes = und_passes = active_sum = prefilled = outputs = 0
+    passes = und_passes = active_sum = prefilled = outputs = skipped = 0
     while True:
         for rank, s in enumerate(slots):
             active[rank] += s.take_ready(len(active[rank]))
@@ -92,11 +92,15 @@ def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = Tr
         starved, overdue = sum(r.starved for r in reports), sum(r.overdue for r in reports)
         und = und_pass(rule, world * max_active, total_active, starved, overdue)
         und = und or (not und_cache and total_active > 0)
+        # --cache sea: a pass on which every request active before admissions reuses fetches nothing.
+        reusing = all(job[2][-job[0]] == "R" for a in active for job in a if job[2])
+        reusing = reusing and all(job[2] for a in active for job in a)
+        skipped += not und and total_active > 0 and reusing
         if und:
             for rank, s in enumerate(slots):
                 now, later = s.admissions(len(active[rank]))
-                active[rank] += [[r.steps, r.branches] for r in now]
-                s.ready.extend([r.steps, r.branches] for r in later)
+                active[rank] += [[r.steps, r.branches, r.decisions] for r in now]
+                s.ready.extend([r.steps, r.branches, r.decisions] for r in later)
                 prefilled += sum(r.branches for r in now) + sum(r.branches for r in later)
         passes += 1
         und_passes += und
@@ -108,11 +112,19 @@ def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = Tr
             active[rank] = [job for job in active[rank] if job[0] > 0]
     if not und_cache:
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
-    per_rank = passes * part_bytes.gen + und_passes * part_bytes.und
+    per_rank = (passes - skipped) * part_bytes.gen + und_passes * part_bytes.und
     occupancy = active_sum / (passes * world * max_active) if passes else 0.0
     share = und_passes * part_bytes.und / per_rank if per_rank else 0.0
     per_output = per_rank * world / outputs if outputs else 0.0
-    return Simulation(passes, und_passes, outputs, occupancy, per_rank, per_output, share, prefilled)
+    return Simulation(passes, und_passes, outputs, occupancy, per_rank, per_output, share, prefilled, skipped)
+
+
+def random_request(rng, rid: str, cached: bool) -> SimRequest:
+    """Steps and branches at random; with `cached`, replayed --cache sea decisions: the first step computes
+    (SeaCache forces it), the others reuse often, so that whole passes reuse on some seeds."""
+    steps = rng.randint(1, 12)
+    decisions = "C" + "".join(rng.choice("CRRR") for _ in range(steps - 1)) if cached else ""
+    return SimRequest(rid, steps, rng.choice([1, 2]), decisions)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -122,10 +134,20 @@ def test_the_event_driven_simulator_equals_the_pass_by_pass_replay(seed):
     rng = random.Random(seed)
     world, max_active = rng.choice([1, 2, 3, 7, 16]), rng.choice([1, 2, 4])
     rule = PrefillRule(rng.choice([0.1, 0.25, 0.5, 1.0]), rng.choice([0, 1, 2, 5]), rng.choice([0, 1, 3]))
-    queues = [
-        [SimRequest(f"r{q}-{i}", rng.randint(1, 12), rng.choice([1, 2])) for i in range(rng.randint(0, 30))]
-        for q in range(world)
-    ]
+    queues = [[random_request(rng, f"r{q}-{i}", seed % 3 != 0) for i in range(rng.randint(0, 30))]
+              for q in range(world)]  # fmt: skip
     und_cache = seed % 5 != 4
     expected = replay(queues, max_active, rule, PartBytes(10, 7), und_cache)
     assert simulate(queues, max_active, rule, PartBytes(10, 7), und_cache) == expected
+
+
+def test_the_random_cached_queues_skip_some_passes():
+    """Guards the test above: its replayed decisions do make whole passes skip on some seeds."""
+    import random
+
+    skipped = 0
+    for seed in range(1, 12, 3):
+        rng = random.Random(seed)
+        queues = [[random_request(rng, f"r{q}-{i}", True) for i in range(8)] for q in range(2)]
+        skipped += simulate(queues, 1, PrefillRule(), PartBytes(10, 7)).skipped_passes
+    assert skipped > 0
