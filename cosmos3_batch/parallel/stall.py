@@ -106,14 +106,17 @@ def post_mortem(rank: int, world_size: int, kind: str, place: Place, bound_s: fl
     bound = min(place.timeout_s, BOUND_S) if bound_s is None else bound_s
     where = place.describe()
     try:
-        missing, speaker = _meet(rank, world_size, where, bound)
+        missing, speaker, kind = _meet(rank, world_size, kind, bound)
     except Exception as exc:  # the store's host (rank 0, when the agent does not host it) is the one stuck
         log.debug("the job's store did not answer: %s", exc)
         missing, speaker = None, True
     return Verdict(missing, speaker, describe(kind, missing, where, place))
 
 
-def _meet(rank: int, world_size: int, where: str, bound_s: float) -> tuple[list[int], bool]:
+def _meet(rank: int, world_size: int, kind: str, bound_s: float) -> tuple[list[int], bool, str]:
+    """(the ranks that never came, whether this rank speaks, the job's kind of failure). A survivor whose
+    collective broke because another survivor had already left sees a death; if any survivor timed out
+    waiting, the rank that never came stalled."""
     import torch.distributed as dist
 
     store = dist.TCPStore(
@@ -122,12 +125,14 @@ def _meet(rank: int, world_size: int, where: str, bound_s: float) -> tuple[list[
     )  # fmt: skip
     prefix = f"cosmos3_batch/peer/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     keys = [f"{prefix}/here/{r}" for r in range(world_size)]
-    store.set(keys[rank], where)
+    store.set(keys[rank], kind)
     with contextlib.suppress(Exception):  # somebody did not come: which ones is read below
         store.wait(keys, timedelta(seconds=bound_s))
     missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    kinds = {store.get(key).decode() for r, key in enumerate(keys) if r not in missing}
     first = store.compare_set(f"{prefix}/speaker", "", str(rank))
-    return missing, (first.decode() if isinstance(first, bytes) else first) == str(rank)
+    speaker = (first.decode() if isinstance(first, bytes) else first) == str(rank)
+    return missing, speaker, STALLED if STALLED in kinds else kind
 
 
 def describe(kind: str, missing: list[int] | None, where: str, place: Place) -> str:

@@ -54,14 +54,17 @@ def store(monkeypatch):
     return host
 
 
-def test_survivors_name_the_rank_that_never_came_and_exactly_one_of_them_speaks(store):
-    """World of 3: rank 1 stalled; ranks 0 and 2 time out and meet. Both name rank 1, one line is said."""
+@pytest.mark.parametrize("seen", [(STALLED, STALLED), (STALLED, DIED), (DIED, STALLED)])
+def test_survivors_name_the_rank_that_never_came_and_exactly_one_of_them_speaks(store, seen):
+    """World of 3: rank 1 stalled; ranks 0 and 2 meet. Both name rank 1, one line is said; a survivor whose
+    collective broke because the other had already left (it saw a death) still says the stall."""
     place = Place(stage="passes", timeout_s=5)
     place.note("all_reduce:12")
     verdicts = {}
+    kinds = dict(zip((0, 2), seen, strict=True))
 
     def survivor(rank: int) -> None:
-        verdicts[rank] = post_mortem(rank, 3, STALLED, place, bound_s=1.0)
+        verdicts[rank] = post_mortem(rank, 3, kinds[rank], place, bound_s=1.0)
 
     threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 2)]
     for thread in threads:
