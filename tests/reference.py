@@ -66,22 +66,25 @@ def distilled_reference(folder, dtype: torch.dtype = torch.float32):
     modular_model_index.json), with the components read from the folder itself: the index's loading specs
     point at the hub, which the tests never reach. `dtype`: the transformer's as stored (the VAE's is
     float32 in the tiny checkpoints: `from_pretrained(..., dtype={"transformer": dtype})`)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        Cosmos3OmniTransformer,
-        FlowMatchEulerDiscreteScheduler,
-        ModularPipeline,
-    )
-    from transformers import AutoTokenizer
+    from diffusers import FlowMatchEulerDiscreteScheduler, ModularPipeline
 
     pipe = ModularPipeline.from_pretrained(str(folder))
+    return _with_components(pipe, folder, dtype, FlowMatchEulerDiscreteScheduler)
+
+
+def _with_components(pipe, folder, dtype: torch.dtype, scheduler_class):
+    """A modular pipeline given the folder's own components (the transformer in `dtype`, the VAE as stored),
+    its safety checker off and its progress bars quiet."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
+    from transformers import AutoTokenizer
+
     pipe.update_components(
         transformer=Cosmos3OmniTransformer.from_pretrained(
             folder, subfolder="transformer", torch_dtype=dtype
         ),
         vae=AutoencoderKLWan.from_pretrained(folder, subfolder="vae"),
         text_tokenizer=AutoTokenizer.from_pretrained(folder, subfolder="text_tokenizer"),
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
+        scheduler=scheduler_class.from_pretrained(folder, subfolder="scheduler"),
     )
     pipe.disable_safety_checker()
     pipe.set_progress_bar_config(disable=True)
@@ -117,22 +120,10 @@ def record_sea_decisions(pipe) -> dict[str, list[bool]]:
 def transfer_reference(folder, dtype: torch.dtype = torch.float32):
     """`Cosmos3OmniModularPipeline` with `Cosmos3OmniBlocks`, its components read from the folder (the tiny
     checkpoints have no modular index); the transformer in `dtype` as stored."""
-    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
+    from diffusers import UniPCMultistepScheduler
     from diffusers.modular_pipelines.cosmos.modular_blocks_cosmos3 import Cosmos3OmniBlocks
-    from transformers import AutoTokenizer
 
-    pipe = Cosmos3OmniBlocks().init_pipeline()
-    pipe.update_components(
-        transformer=Cosmos3OmniTransformer.from_pretrained(
-            folder, subfolder="transformer", torch_dtype=dtype
-        ),
-        vae=AutoencoderKLWan.from_pretrained(folder, subfolder="vae"),
-        text_tokenizer=AutoTokenizer.from_pretrained(folder, subfolder="text_tokenizer"),
-        scheduler=UniPCMultistepScheduler.from_pretrained(folder, subfolder="scheduler"),
-    )
-    pipe.disable_safety_checker()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return _with_components(Cosmos3OmniBlocks().init_pipeline(), folder, dtype, UniPCMultistepScheduler)
 
 
 def transfer_outputs(
