@@ -130,7 +130,7 @@ def held_format(out: Path | None, fmt: str | None, layout: str | None) -> str:
 def make_config(
     offload: str,
     shard: str | None,
-    prefill: tuple[float, int, int] | None = None,
+    prefill: tuple[float, int, int, int] | None = None,
     model: str | Path | None = None,
     prompts: str | Path | tuple[str, ...] = (),
     shard_size: str | None = None,
@@ -138,9 +138,9 @@ def make_config(
     **flags,
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
-    `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead); `model` a folder or a
-    Hugging Face repo id (resolved here, before anything loads); `shard_size` as --shard-size; `cache` the
-    --cache flags (plan/cache.py CacheFlags)."""
+    `prefill` = (--prefill-free-share, --prefill-max-wait, --prefill-lookahead, --chunk-gap-passes); `model`
+    a folder or a Hugging Face repo id (resolved here, before anything loads); `shard_size` as --shard-size;
+    `cache` the --cache flags (plan/cache.py CacheFlags)."""
     from cosmos3_batch.plan.schedule import parse_shard
 
     try:

@@ -52,6 +52,11 @@ DTYPE_HELP = (
 )
 VAE_DTYPE_HELP = "The VAE's compute dtype, likewise (checkpoint, bfloat16 or float32)."
 LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V kept until a slot frees)."
+CHUNK_GAP_HELP = (
+    "Transfer chains: passes a chain sits out at each chunk boundary while the finisher thread decodes the "
+    "chunk and encodes the next one beside the other requests' passes (0: the loop waits for it at once). "
+    "Raise it when the sidecars' boundary_wait_s is above 0 (docs/transfer.md)."
+)
 SP_HELP = (
     "Sequence parallelism: groups of S consecutive ranks share each request, its GEN tokens split over "
     "them (Ulysses all-to-all over heads around attention). S must divide the ranks and the attention "
@@ -144,6 +149,7 @@ def run(
     prefill_free_share: Annotated[float, typer.Option(help=FREE_SHARE_HELP)] = RULE.free_share,
     prefill_max_wait: Annotated[int, typer.Option(help=MAX_WAIT_HELP)] = RULE.max_wait,
     prefill_lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = RULE.lookahead,
+    chunk_gap_passes: Annotated[int, typer.Option(help=CHUNK_GAP_HELP)] = RULE.chunk_gap,
     batch_branches: Annotated[
         bool | None,
         typer.Option(
@@ -202,7 +208,7 @@ def run(
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
             shard=shard,
-            prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead),
+            prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead, chunk_gap_passes),
             batch_branches=batch_branches,
             max_batch_rows=max_batch_rows,
             fp8_compute=fp8_compute,
@@ -265,6 +271,7 @@ def plan(
     ] = RULE.free_share,
     prefill_max_wait: Annotated[int, typer.Option(help="As `run --prefill-max-wait`.")] = RULE.max_wait,
     prefill_lookahead: Annotated[int, typer.Option(help="As `run --prefill-lookahead`.")] = RULE.lookahead,
+    chunk_gap_passes: Annotated[int, typer.Option(help="As `run --chunk-gap-passes`.")] = RULE.chunk_gap,
     sp: Annotated[int, typer.Option("--sp", help="As `run --sp`: plan groups of S ranks per request.")] = 1,
     vae_patch_parallel_size: Annotated[int, _opt("As `run`: the decode's time and memory per rank.")] = 1,
     samples_per_prompt: Annotated[int, typer.Option(help="As `run --samples-per-prompt`.")] = 1,
@@ -298,7 +305,7 @@ def plan(
             h2d_gbps=h2d_gbps, gather_gbps=gather_gbps, inter_node_gbps=inter_node_gbps, tflops=tflops,
             hbm_gbps=hbm_gbps, device_gib=device_gib, host_gib_per_node=host_gib,
         )  # fmt: skip
-        rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead)
+        rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead, chunk_gap_passes)
         doc, text = planner.plan_job(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,

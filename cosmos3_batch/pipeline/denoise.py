@@ -101,6 +101,9 @@ class RequestJob:
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 
+    def rejoin(self) -> None:
+        """Before the pass's gates: take back work handed off the loop (a Transfer chain's next chunk)."""
+
     def gen_branches(self) -> list[BranchSeq]:
         """The sequences this step runs through the GEN halves (cond, and uncond under CFG: every step)."""
         return self.branches

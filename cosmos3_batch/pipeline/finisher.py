@@ -4,13 +4,15 @@ A VAE decode of a 720p, 189-frame video takes tens of seconds and its MP4 encode
 the lockstep loop every other rank would wait for them at the next pass's all-reduce. Here one worker
 thread decodes (on its own CUDA stream, after an event that marks the latents final) and reports every
 outcome, failures found by the loop included, so reports are serialized by the thread itself and the
-loop never takes a lock that a write holds.
+loop never takes a lock that a write holds. The same thread crosses a Transfer chain's chunk boundaries
+(`hand_off`: the chunk's decode and the next chunk's encodes), in order with the decodes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -40,6 +42,30 @@ class Finisher:
             ready = self.cuda.Event()
             ready.record(self.cuda.current_stream(self.device))
         self._queue(self._finish, job, ready, write)
+
+    def hand_off(self, work: Callable[[], Any]) -> Future:
+        """Run `work` on this thread after what the compute stream has been given so far. The future's result
+        is (work's result, an event on the side stream after work's kernels, None off GPU): wait for that
+        event on the compute stream before reading what work wrote. Tensors work allocates belong to the side
+        stream; when freed there later, their blocks go only to side-stream work, which starts after a
+        `ready` event recorded after the compute stream last read them (the chain hands off again only
+        after its steps). An exception in work is the future's: the caller decides what it fails."""
+        ready = None
+        if self._side is not None:
+            ready = self.cuda.Event()
+            ready.record(self.cuda.current_stream(self.device))
+        return self._pool.submit(self._cross, work, ready)
+
+    @torch.no_grad()  # grad mode is per thread
+    def _cross(self, work: Callable[[], Any], ready) -> tuple[Any, Any]:
+        if ready is None:
+            return work(), None
+        with self.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            out = work()
+            done = self.cuda.Event()
+            done.record(self._side)
+        return out, done
 
     def fail(self, job: RequestJob, error: str) -> None:
         """Record a failure found by the loop, in order with the writes, without waiting for them."""

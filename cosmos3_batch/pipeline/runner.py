@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -35,7 +36,7 @@ from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank, tally
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
-from cosmos3_batch.pipeline.transfer import job_class
+from cosmos3_batch.pipeline.transfer import TransferJob, job_class
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
@@ -103,7 +104,7 @@ class PassRunner:
         self.watch = watch  # CheckpointWatch.changed: what changed in the checkpoint's files, if anything
         rule = rule if rule is not None else PrefillRule()
         # Without the UND cache every step recomputes UND anyway: prefilling ahead would only hold memory.
-        self.rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
+        self.rule = rule if und_cache else replace(rule, lookahead=0)
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.cache = cache  # --cache sea (pipeline/step_cache.py): a branch may reuse instead of computing
@@ -164,6 +165,7 @@ class PassRunner:
             if self.team is not None:
                 self.team.check()  # a group decode broke on this rank: end the job (pipeline/vae_team.py)
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
+            active = self._guarded(active, "rejoin")  # Transfer chains back from a chunk boundary
             computing = gate_rank(active)  # before any layer: which branches run the stack this pass
             report = slots.report(len(active))
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
@@ -206,7 +208,7 @@ class PassRunner:
             skip = not und and world.active > 0 and world.computing == 0
             if not skip:  # start fetching the first part now: the transfer overlaps the embedding
                 self.weights.begin_pass(und)
-            active = self._begin(active)
+            active = self._guarded(active, "begin_step")
             self._pass(active, und, prefill, skip)
             slots.ready.extend(self._drop_failed(prefill))
             # The pass may have read changed bytes: its steps are taken (an --sp group's collectives stay
@@ -243,6 +245,9 @@ class PassRunner:
             job_class(request)(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
             for request in requests
         ]
+        for job in jobs:
+            if isinstance(job, TransferJob):  # its chunk boundaries: on the finisher's thread, a fixed gap
+                job.gap, job.hand_off = self.rule.chunk_gap, self.finisher.hand_off
         if self.team is not None:  # the group encodes together: agree on the files first
             agree_inputs(jobs, self.sp)
         errors = []
@@ -284,11 +289,13 @@ class PassRunner:
                 ok.append(job)
         return ok
 
-    def _begin(self, active: list[RequestJob]) -> list[RequestJob]:
+    def _guarded(self, active: list[RequestJob], method: str) -> list[RequestJob]:
+        """Call `method` on each job; one that raises fails alone (under --sp it ends the job: the group's
+        all-to-alls must carry the same requests)."""
         ok = []
         for job in active:
             try:
-                job.begin_step()
+                getattr(job, method)()
             except Exception as exc:
                 if self.sp is not None:
                     raise

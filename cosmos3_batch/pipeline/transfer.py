@@ -5,14 +5,19 @@ its step asks for (plan/branches.py), as `Cosmos3OmniModularPipeline` runs `Cosm
 The layers see ordinary `BranchSeq`s. Two texts are prefilled (cond, and uncond when text guidance is ever
 on); the GEN branches (cond over [controls..., target], cond over [target], uncond over [controls...,
 target]) read the K/V list of their text's UND branch, so cond and its no-control twin share one prefill.
-A step hands the layers only its own branches (`gen_branches`). Between chunks the chain decodes its chunk
-and encodes the next one's inputs on its own rank; the text K/V stay (the texts do not change).
+A step hands the layers only its own branches (`gen_branches`). At a chunk boundary the chain keeps its slot
+but computes nothing for `gap` passes while the finisher thread decodes the chunk and encodes the next one's
+inputs on this rank (the other requests keep the passes busy); then it rejoins with the next chunk. The text
+K/V stay (the texts do not change).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +52,9 @@ class GenBranch:
 
 
 class TransferJob(RequestJob):
+    gap = 0  # passes sat out at each chunk boundary: the runner's PrefillRule.chunk_gap
+    hand_off: Callable[[Callable[[], Any]], Future] | None = None  # the runner's Finisher.hand_off
+
     @property
     def done(self) -> bool:
         return self.chunk_id == self.spec.num_chunks - 1 and self.step_index >= len(self.timesteps)
@@ -64,6 +72,8 @@ class TransferJob(RequestJob):
         return self.request.transfer
 
     def gen_branches(self) -> list[BranchSeq]:
+        if self.away or self._boundary is not None:  # sitting out a chunk boundary: nothing to compute
+            return []
         return [self.gen[name].seq for name in self.plan[self.step_index].names]
 
     # ---- admission ---------------------------------------------------------------------------------
@@ -99,9 +109,11 @@ class TransferJob(RequestJob):
         self.controls = chunks.prepare_controls(ctx.helper, self._inputs[0], size, dtype, ctx.device, length)
         self.pieces: list[torch.Tensor] = []
         self.chunk_latents: list[torch.Tensor] = []
-        self.previous: torch.Tensor | None = None
         self.chunk_id = 0
-        self._start_chunk()
+        self.away = 0  # passes left to sit out at a chunk boundary (the gap)
+        self._boundary: Future | None = None  # the boundary being crossed off the loop
+        self.timings["boundary_wait_s"] = 0.0
+        self._enter(*self._chunk_start(0, None, ctx.encode_helper, ctx.encode_lock))
         cond_ids, uncond_ids = tokenize_transfer(ctx.helper, r)
         ids = {COND: cond_ids, UNCOND: uncond_ids}
         self.texts = {name: self._text(ids[name]) for name in texts_needed(self.plan)}
@@ -110,33 +122,40 @@ class TransferJob(RequestJob):
         self._build_branches()
         self.timings["prepare_s"] = time.perf_counter() - start
 
-    def _start_chunk(self) -> None:
-        """Encode this chunk's control window and seeded target, draw its noise, reset its scheduler."""
+    def _chunk_start(self, chunk_id: int, previous, encoder, lock) -> tuple[chunks.ChunkState, UniPCSampler]:
+        """A chunk's control window and seeded target encoded, its noise drawn, a fresh scheduler. Touches
+        only what it returns and the chain's generator: the finisher thread runs it at a boundary (`encoder`:
+        a helper pipeline whose VAE that thread may use, `lock` the one that VAE's calls take)."""
         r, ctx, spec = self.request, self.ctx, self.spec
         vae_dtype = ctx.vae.dtype
-        if self.chunk_id == 0:
+        if chunk_id == 0:
             video = self._inputs[1]
             seed = None
             if video is not None and spec.first_chunk_conditional_frames > 0:
                 seed = ctx.helper.video_processor.preprocess_video(video, height=r.height, width=r.width)
             frames, tail = spec.first_chunk_conditional_frames, False
         else:
-            seed, frames, tail = self.previous, spec.conditional_frames, True
+            seed, frames, tail = previous, spec.conditional_frames, True
         size = (r.height, r.width)
         target, current = chunks.seed_target(
             spec.chunk_frames, size, vae_dtype, ctx.device, seed, frames, tail
         )
-        window = (self.chunk_id * spec.stride, spec.chunk_frames, r.num_frames)
-        with ctx.encode_lock:
-            controls, x0 = chunks.chunk_inputs(ctx.encode_helper, self.controls, target, window)
+        window = (chunk_id * spec.stride, spec.chunk_frames, r.num_frames)
+        with lock:
+            controls, x0 = chunks.chunk_inputs(encoder, self.controls, target, window)
         temporal = int(ctx.vae.config.scale_factor_temporal)
         latents, mask, clean, indexes = chunks.chunk_noise(x0, current, temporal, self.generator, ctx.device)
-        self.state = chunks.ChunkState(controls, latents, mask, clean, indexes, current)
-        self.latents = latents
         # Cosmos3TransferSetTimestepsStep: set_timesteps on the pipeline's scheduler, per chunk, never the
         # native flow schedule; a fresh scheduler per chunk is the same state.
-        self.sampler = UniPCSampler(ctx, r, native_schedule=False)
-        self.scheduler = self.sampler.scheduler
+        sampler = UniPCSampler(ctx, r, native_schedule=False)
+        return chunks.ChunkState(controls, latents, mask, clean, indexes, current), sampler
+
+    def _enter(self, state: chunks.ChunkState, sampler: UniPCSampler) -> None:
+        """Make `state` the chunk the steps work on (the pass loop's thread)."""
+        r, spec = self.request, self.spec
+        self.state, self.latents = state, state.latents
+        self.sampler = sampler
+        self.scheduler = sampler.scheduler
         self.timesteps = self.scheduler.timesteps
         self._timestep_values = self.timesteps.tolist()
         self.plan: list[StepBranches] = transfer_plan(
@@ -206,6 +225,8 @@ class TransferJob(RequestJob):
 
     def begin_step(self) -> None:
         """Embed [controls..., target] and, for the no-control branch, [target] alone at this timestep."""
+        if self.away:
+            return
         if self.step_index == 0 and self.chunk_id == 0:
             self._denoise_started = time.perf_counter()
         split, device = self.ctx.split, self.ctx.device
@@ -225,7 +246,13 @@ class TransferJob(RequestJob):
             branch.seq.gen_hidden, branch.layout.original_shapes = hidden[branch.full]
 
     def finish_step(self) -> None:
-        """Heads, the nested control/text combine, the scheduler step and the re-pin of conditioned frames."""
+        """Heads, the nested control/text combine, the scheduler step and the re-pin of conditioned frames;
+        after a chunk's last step, its boundary is handed off the loop."""
+        if self.away:
+            self.away -= 1
+            if not self.und_cache:
+                self._forget_und()
+            return
         step = self.plan[self.step_index]
         split = self.ctx.split
         preds = {}
@@ -246,7 +273,7 @@ class TransferJob(RequestJob):
             self._forget_und()
         self.timings["denoise_s"] = time.perf_counter() - self._denoise_started
         if self.step_index >= len(self.timesteps) and self.chunk_id < self.spec.num_chunks - 1:
-            self._next_chunk()
+            self._hand_off()
 
     def _forget_und(self) -> None:
         """The --no-und-cache ablation: the texts' K/V are recomputed next pass, the branches relinked."""
@@ -255,22 +282,55 @@ class TransferJob(RequestJob):
         for name, branch in self.gen.items():
             branch.seq.und_kv = self.texts[UNCOND if name == UNCOND else COND].seq.und_kv
 
-    def _next_chunk(self) -> None:
-        """Decode this chunk, keep its piece, seed the next one with its tail and encode that one's inputs.
-        On this rank, between passes: the chain's generator and scheduler state live here."""
-        started = time.perf_counter()
-        self.previous = self._decode_chunk()
-        self.chunk_id += 1
-        self._start_chunk()
-        self._build_branches()
-        self.timings["decode_s"] += time.perf_counter() - started
+    # ---- a chunk boundary, off the loop ------------------------------------------------------------
 
-    def _decode_chunk(self) -> torch.Tensor:
-        if not torch.isfinite(self.latents).all():
+    def _hand_off(self) -> None:
+        """The chain keeps its slot and computes nothing for `gap` passes (the same count on every rank and in
+        the simulator) while the finisher thread decodes this chunk and encodes the next one."""
+        self.away = self.gap
+        latents = self.latents
+        if self.hand_off is not None:
+            self._boundary = self.hand_off(lambda: self._cross(latents))
+            return
+        self._boundary = Future()  # no finisher (a bare job): cross it here
+        try:
+            self._boundary.set_result((self._cross(latents), None))
+        except Exception as exc:
+            self._boundary.set_exception(exc)
+
+    def _cross(self, latents: torch.Tensor) -> tuple[chunks.ChunkState, UniPCSampler]:
+        """On the finisher thread: decode the chunk, keep its piece, seed the next chunk with its tail and
+        encode that one's inputs (the chain's generator and scheduler state live on this rank)."""
+        started = time.perf_counter()
+        previous = self._decode_chunk(latents)
+        ctx = self.ctx
+        out = self._chunk_start(self.chunk_id + 1, previous, ctx.helper, ctx.vae_lock)
+        self.timings["decode_s"] += time.perf_counter() - started
+        return out
+
+    def rejoin(self) -> None:
+        """Before the pass's gates, once the gap is over: take the next chunk from the finisher thread
+        (waiting for it if it is not done yet: boundary_wait_s; raises what crossing it raised)."""
+        if self._boundary is None or self.away:
+            return
+        started = time.perf_counter()
+        try:
+            (state, sampler), done = self._boundary.result()
+        finally:
+            self._boundary = None
+            self.timings["boundary_wait_s"] += time.perf_counter() - started
+        if done is not None:  # its kernels ran on the finisher's stream
+            torch.cuda.current_stream(self.ctx.device).wait_event(done)
+        self.chunk_id += 1
+        self._enter(state, sampler)
+        self._build_branches()
+
+    def _decode_chunk(self, latents: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(latents).all():
             raise RequestFailed(f"chunk {self.chunk_id}: latents contain NaN or inf; nothing was written")
         with self.ctx.vae_lock:
-            pixels = chunks.decode_chunk(self.ctx.helper, self.ctx.vae, self.latents)
-        self.chunk_latents.append(self.latents.cpu())
+            pixels = chunks.decode_chunk(self.ctx.helper, self.ctx.vae, latents)
+        self.chunk_latents.append(latents.cpu())
         self.pieces.append(pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :])
         return pixels
 
@@ -280,7 +340,7 @@ class TransferJob(RequestJob):
         """The last chunk decoded and every chunk stitched; latents: every chunk's, [chunks, C, T, H, W]."""
         start = time.perf_counter()
         self.branches, self.gen = [], {}
-        self._decode_chunk()
+        self._decode_chunk(self.latents)
         frames = chunks.stitch(self.ctx.helper, self.pieces, self.request.num_frames)
         self.timings["decode_s"] += time.perf_counter() - start
         return Result(latents=torch.cat(self.chunk_latents, dim=0), frames=frames)

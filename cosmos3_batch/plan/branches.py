@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cosmos3_batch.plan.simulator import SimRequest
+
 COND, UNCOND = "cond", "uncond"
 COND_NO_CONTROL = "cond_no_control"  # Transfer: the target without its controls (the control axis)
 
@@ -84,6 +86,19 @@ def steps_and_texts(request) -> tuple[int, int]:
     if request.transfer is None:
         return request.num_inference_steps, 1 if request.guidance_scale == 1.0 else 2
     return request.num_inference_steps * request.transfer.num_chunks, texts
+
+
+def sim_request(request, chunk_gap: int) -> SimRequest:
+    """The simulator's stand-in for a request. A Transfer chain holds its slot from its first step to its
+    last: its chunks' steps, and `chunk_gap` passes between chunks on which it computes nothing (replayed
+    as reusing steps, "R": a pass on which nothing anywhere computes walks no layer, as in the runner)."""
+    steps, texts = steps_and_texts(request)
+    transfer = request.transfer
+    if transfer is None or transfer.num_chunks == 1 or chunk_gap == 0:
+        return SimRequest(request.id, steps, texts)
+    chunk = "C" * request.num_inference_steps
+    decisions = (chunk + "R" * chunk_gap) * (transfer.num_chunks - 1) + chunk
+    return SimRequest(request.id, len(decisions), texts, decisions)
 
 
 def most_branches(request) -> int:

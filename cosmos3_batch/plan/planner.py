@@ -22,7 +22,7 @@ from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
-from cosmos3_batch.plan.branches import most_branches, steps_and_texts
+from cosmos3_batch.plan.branches import most_branches, sim_request
 from cosmos3_batch.plan.cache import SeaSettings, check_cache, check_reuse, skip_share
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
@@ -36,7 +36,7 @@ from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import Assignment, assign, gen_tokens
-from cosmos3_batch.plan.simulator import PartBytes, SimRequest, Simulation, simulate
+from cosmos3_batch.plan.simulator import PartBytes, Simulation, simulate
 from cosmos3_batch.requests.parse import Request, no_cycle_collection
 from cosmos3_batch.requests.sources import ALL_NAMED, Columns
 
@@ -241,7 +241,7 @@ def simulate_job(
         gen = [p for p in shape.parts if p.key.endswith(GEN)]
         und = [p for p in shape.parts if not p.key.endswith(GEN)]
         parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
-    sim_queues = [[SimRequest(r.id, *steps_and_texts(r)) for r in queue] for queue in queues]
+    sim_queues = [[sim_request(r, rule.chunk_gap) for r in queue] for queue in queues]
     return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))
 
 

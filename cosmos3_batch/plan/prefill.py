@@ -32,6 +32,10 @@ class PrefillRule:
     free_share: float = 0.25  # call a UND pass when this share of the world's slots is starved ...
     max_wait: int = 2  # ... or a starved slot has waited this many passes
     lookahead: int = 3  # requests per rank prefilled ahead of a free slot (their UND K/V held)
+    # Passes a Transfer chain sits out at each chunk boundary (pipeline/transfer.py) while the finisher
+    # thread decodes its chunk and encodes the next one beside the other requests' passes; its slot stays
+    # its own. A fixed count, not "when ready", so that every rank (and the simulator) knows the schedule.
+    chunk_gap: int = 2
 
     def __post_init__(self) -> None:
         if not 0.0 < self.free_share <= 1.0:
@@ -40,6 +44,8 @@ class PrefillRule:
             raise ValueError(f"--prefill-max-wait must be >= 0, got {self.max_wait}")
         if self.lookahead < 0:
             raise ValueError(f"--prefill-lookahead must be >= 0, got {self.lookahead}")
+        if self.chunk_gap < 0:
+            raise ValueError(f"--chunk-gap-passes must be >= 0, got {self.chunk_gap}")
 
 
 # Every rank sends these (with its active count, finished count and stop flag) in the per-pass all-reduce.

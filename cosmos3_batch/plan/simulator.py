@@ -9,7 +9,7 @@ this at world sizes 1-4), so `plan` can size a 64-GPU job from a laptop.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, und_pass
 
@@ -130,7 +130,7 @@ def simulate(
     filled only by admissions), so its wait is the passes since its starvation began. Equal to the
     pass-by-pass replay (tests/unit/test_simulator.py holds both on random queues)."""
     world = len(queues)
-    rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
+    rule = rule if und_cache else replace(rule, lookahead=0)
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
     totals = _Totals(world, max_active)
     pending = sum(len(q) for q in queues)

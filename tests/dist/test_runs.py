@@ -84,6 +84,7 @@ def assert_simulated(
     args = ["plan", str(prompts), "--model", str(tiny_ckpt), "--nproc", str(world), "--offload", mode]
     args += ["--max-active", str(max_active), "--prefill-free-share", str(rule.free_share)]
     args += ["--prefill-max-wait", str(rule.max_wait), "--prefill-lookahead", str(rule.lookahead), "--json"]
+    args += ["--chunk-gap-passes", str(rule.chunk_gap)]
     result = CliRunner().invoke(app, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     sim = json.loads(result.output)["simulation"]
