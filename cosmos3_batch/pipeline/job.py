@@ -51,7 +51,6 @@ from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
 from cosmos3_batch.requests.sources import STDIN, Columns
-from cosmos3_batch.requests.transfer import check_transfer_flags
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -107,7 +106,6 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
     try:  # --sp must fit the model's heads (named first: the fix is in the model) and the ranks
-        check_transfer_flags(cfg.sp, cfg.vae_patch_parallel_size, requests)  # first: whatever the model
         check_model(cfg.sp, checkpoint.config("transformer"))
         check_world(cfg.sp, world_size)
         check_patchable(checkpoint.config("vae"), cfg.vae_patch_parallel_size)

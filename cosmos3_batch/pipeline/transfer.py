@@ -23,6 +23,8 @@ import torch
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.prompts import tokenize_transfer
+from cosmos3_batch.model.ulysses import SeqShard
+from cosmos3_batch.parallel.sequence import check_model, shard_rows
 from cosmos3_batch.pipeline import transfer_chunks as chunks
 from cosmos3_batch.pipeline.controls import derive
 from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob, Result, VisionLayout
@@ -98,8 +100,6 @@ class TransferJob(RequestJob):
             self.load_inputs()
         if self.input_error is not None:
             raise RequestFailed(self.input_error)
-        if self.sp is not None or self.ctx.vae_team is not None:
-            raise RequestFailed("Transfer does not run under --sp or --vae-patch-parallel-size yet")
         start = time.perf_counter()
         r, ctx = self.request, self.ctx
         self.generator = torch.Generator("cpu").manual_seed(r.seed)
@@ -172,7 +172,10 @@ class TransferJob(RequestJob):
         ctx = self.ctx
         segment = ctx.helper._prepare_text_segment(input_ids, device=ctx.device)
         hidden = ctx.split.embed_text(segment["input_ids"], ctx.device)
-        seq = BranchSeq(und_hidden=hidden, text_hidden=hidden, rot_und=None, rot_gen=None, mse_rows=None)
+        shard = None
+        if self.sp is not None:  # its UND K/V kept for this rank's KV heads only: what its GEN branches read
+            shard = SeqShard(self.sp, [0] * self.sp.size, check_model(self.sp.size, ctx.split.config))
+        seq = BranchSeq(hidden, hidden, rot_und=None, rot_gen=None, mse_rows=None, shard=shard)
         return _Text(segment, seq)
 
     def _build_branches(self) -> None:
@@ -211,6 +214,11 @@ class TransferJob(RequestJob):
         rot_und, rot_gen = ctx.split.rotary(torch.cat(mrope, dim=1), und_len, ctx.device)
         if text.seq.rot_und is None:
             text.seq.rot_und = rot_und
+        shard = None
+        if self.sp is not None:  # this rank's rows of [controls..., target] (or the target alone), as any GEN
+            heads = check_model(self.sp.size, ctx.split.config)
+            shard = SeqShard(self.sp, shard_rows(curr - und_len, self.sp.size), heads)
+            rot_gen = (rot_gen[0][shard.local], rot_gen[1][shard.local])
         seq = BranchSeq(
             und_hidden=None,
             text_hidden=text.seq.text_hidden,
@@ -218,6 +226,7 @@ class TransferJob(RequestJob):
             rot_gen=rot_gen,
             mse_rows=torch.cat(mse) - und_len,
             und_kv=text.seq.und_kv,  # the same list: filled once by the text's UND prefill
+            shard=shard,
         )
         return GenBranch(seq, VisionLayout(shapes, noisy, noisy_tokens), full)
 
@@ -243,7 +252,9 @@ class TransferJob(RequestJob):
                 hidden[branch.full] = split.embed_vision(
                     items, timesteps, layout.token_shapes, layout.noisy_frame_indexes
                 )
-            branch.seq.gen_hidden, branch.layout.original_shapes = hidden[branch.full]
+            whole, branch.layout.original_shapes = hidden[branch.full]
+            shard = branch.seq.shard  # --sp: every rank embeds the whole stream and keeps its rows
+            branch.seq.gen_hidden = whole if shard is None else whole[shard.local]
 
     def finish_step(self) -> None:
         """Heads, the nested control/text combine, the scheduler step and the re-pin of conditioned frames;
@@ -259,6 +270,8 @@ class TransferJob(RequestJob):
         for name in step.names:
             branch = self.gen[name]
             layout = branch.layout
+            if branch.seq.shard is not None:  # the heads read rows by their index in the whole stream
+                branch.seq.gen_hidden = branch.seq.shard.gather(branch.seq.gen_hidden)
             normed = split.final_norm(branch.seq)
             preds[name] = split.vision_head(
                 normed, branch.seq, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
@@ -325,11 +338,15 @@ class TransferJob(RequestJob):
         self._enter(state, sampler)
         self._build_branches()
 
-    def _decode_chunk(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode_chunk(self, latents: torch.Tensor, decode=None) -> torch.Tensor | None:
+        """Decode a chunk and keep its piece and latents; None on a member of a --vae-patch-parallel-size
+        group that is not its writer (`decode`: the group's)."""
         if not torch.isfinite(latents).all():
             raise RequestFailed(f"chunk {self.chunk_id}: latents contain NaN or inf; nothing was written")
         with self.ctx.vae_lock:
-            pixels = chunks.decode_chunk(self.ctx.helper, self.ctx.vae, latents)
+            pixels = chunks.decode_chunk(self.ctx.helper, self.ctx.vae, latents, decode)
+        if pixels is None:
+            return None
         self.chunk_latents.append(latents.cpu())
         self.pieces.append(pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :])
         return pixels
@@ -337,10 +354,17 @@ class TransferJob(RequestJob):
     # ---- finish ------------------------------------------------------------------------------------
 
     def decode(self) -> Result | None:
-        """The last chunk decoded and every chunk stitched; latents: every chunk's, [chunks, C, T, H, W]."""
+        """The last chunk decoded and every chunk stitched; latents: every chunk's, [chunks, C, T, H, W]. None
+        on a rank that decodes with its --vae-patch-parallel-size group's writer but is not it."""
         start = time.perf_counter()
         self.branches, self.gen = [], {}
-        self._decode_chunk(self.latents)
+        team = self.ctx.vae_team
+        if team is None:
+            self._decode_chunk(self.latents)
+        elif self._decode_chunk(team.share(self.latents), team.decode) is None:
+            # The last chunk decoded with the group (the boundaries' decodes were each rank's own: off the
+            # loop, no message to keep in order); the writer stitches.
+            return None
         frames = chunks.stitch(self.ctx.helper, self.pieces, self.request.num_frames)
         self.timings["decode_s"] += time.perf_counter() - start
         return Result(latents=torch.cat(self.chunk_latents, dim=0), frames=frames)

@@ -115,12 +115,14 @@ def chunk_noise(
     return latents, 1.0 - condition_mask, condition_mask * target_x0, list(range(latent_frames))
 
 
-def decode_chunk(helper, vae, latents: torch.Tensor) -> torch.Tensor:
-    """The chunk's pixels, float32 in [-1, 1]: the next chunk's seed and a piece of the output."""
+def decode_chunk(helper, vae, latents: torch.Tensor, decode=None) -> torch.Tensor | None:
+    """The chunk's pixels, float32 in [-1, 1]: the next chunk's seed and a piece of the output. `decode`
+    stands for `vae.decode(z).sample` (a --vae-patch-parallel-size group's, None on its other members)."""
     mean = helper._vae_latents_mean.to(device=latents.device, dtype=vae.dtype)
     inv_std = helper._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype)
     z_raw = latents.to(vae.dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
-    return vae.decode(z_raw).sample.to(torch.float32).clamp(-1, 1)
+    sample = vae.decode(z_raw).sample if decode is None else decode(z_raw)
+    return None if sample is None else sample.to(torch.float32).clamp(-1, 1)
 
 
 def stitch(helper, pieces: list[torch.Tensor], total: int):

@@ -291,17 +291,3 @@ def _check_tokens(out: LineErrors, limits: ModelLimits, width: int, height: int,
             f"is {tokens:,} vision tokens, over the per-request bound of {limits.max_vision_tokens:,} "
             "(use a smaller frames_per_chunk, or raise --max-vision-tokens if the GPUs allow)",
         )
-
-
-def check_transfer_flags(sp: int, vae_patch_parallel_size: int, requests: list) -> None:
-    """Refuse run flags a Transfer chain does not run under yet, before anything loads (a request accepted
-    here must not fail at prepare): ValueError naming the first Transfer request."""
-    if sp == 1 and vae_patch_parallel_size == 1:
-        return
-    for r in requests:
-        if getattr(r, "transfer", None) is not None:
-            flags = "--sp" + (" and --vae-patch-parallel-size" if vae_patch_parallel_size > 1 else "")
-            raise ValueError(
-                f"request {r.id!r}: Transfer does not run under {flags} yet (its controls and chunk chain "
-                "stay on one rank); run Transfer without them, or in a job of its own"
-            )

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.plan.branches import texts_needed, transfer_plan
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.requests.parse import load_requests
@@ -39,6 +40,9 @@ ROWS = [
     # 17 frames in chunks of 9 overlapping by 1: 2 chunks.
     {"id": "chain", "prompt": "night", "control": {"edge": "long.mp4"}, "num_frames": 17,
      "frames_per_chunk": 9, "control_guidance": 1.5, "seed": 5},
+    # Big enough for the sp2 launch's VAE group to split its encodes and its decode (plan_cut at one thread).
+    {"id": "wide", "prompt": "a field", "control": {"edge": "edge.mp4"}, "size": "128x128", "num_frames": 5,
+     "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 9},
     {"id": "t2v", "prompt": "a cat walks", "num_frames": 9, "seed": 7},
     {"id": "t2v-nocfg", "prompt": "a dog", "num_frames": 5, "guidance_scale": 1.0, "seed": 8},
 ]  # fmt: skip
@@ -49,7 +53,11 @@ CONFIGS = {
     "ag4": ["--offload", "allgather", "--max-active", "4", "--chunk-gap-passes", "3"],
     "local1": ["--offload", "local", "--max-active", "1", "--chunk-gap-passes", "0"],
     "local4": ["--offload", "local", "--max-active", "4", "--chunk-gap-passes", "2"],
-}
+    # One --sp group of both ranks: every GEN sequence ([controls..., target] too) split over them, the
+    # first chunk's control and target encodes and the last chunk's decode shared by the group.
+    "sp2": ["--offload", "allgather", "--max-active", "2", "--chunk-gap-passes", "1", "--sp", "2",
+            "--vae-patch-parallel-size", "2"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +110,12 @@ def planned_forwards(requests, scheduler_config) -> tuple[int, int]:
     return total, texts
 
 
-def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt):
+def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt, cpu_branch):
     folder, prompts, requests, reference = setup
-    assert {r.id: r.transfer.num_chunks for r in requests if r.transfer} == {"edge": 1, "two": 1, "chain": 2}
+    chunks = {r.id: r.transfer.num_chunks for r in requests if r.transfer}
+    assert chunks == {"edge": 1, "two": 1, "chain": 2, "wide": 1}
+    encodes, decodes = split_counts(requests)  # the VAE cut depends on this CPU's measured GEMM step
+    cpu_branch(f"Transfer --vae-patch-parallel-size 2: {encodes} split encodes, {decodes} split decodes")
     jobs = [
         [CAPTURE_FRAMES, folder / f"{name}-frames", "run", prompts, "--model", tiny_ckpt, "--out",
          folder / name, *flags, "--save-latents", "--no-progress"]
@@ -128,9 +139,31 @@ def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt):
         assert len({r["collective_trace"] for r in ranks}) == 1, name  # lockstep
         assert len({r["world_trace"] for r in ranks}) == 1, name
         assert sum(r["ok"] for r in ranks) == len(ROWS), name
-        assert sum(r["gen_runs"] for r in ranks) == forwards * LAYERS, name
-        assert sum(r["und_runs"] for r in ranks) == texts * LAYERS, name
+        sp = 2 if "--sp" in CONFIGS[name] else 1  # every rank of a group runs each of its forwards
+        assert sum(r["gen_runs"] for r in ranks) == sp * forwards * LAYERS, name
+        assert sum(r["und_runs"] for r in ranks) == sp * texts * LAYERS, name
         # plan's simulator: the same passes, UND passes, bytes and occupancy as the run (chains included).
         summary = json.loads((out / "summary.json").read_text())
         mode, max_active, gap = CONFIGS[name][1], int(CONFIGS[name][3]), int(CONFIGS[name][5])
-        assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule(chunk_gap=gap))
+        assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule(chunk_gap=gap), sp)
+        if sp == 2:  # the group split what the cut splits: every encode of a first chunk, every last decode
+            assert [(r["vae_split_encodes"], r["vae_split_decodes"]) for r in ranks] == [
+                split_counts(requests)
+            ] * 2
+
+
+def split_counts(requests) -> tuple[int, int]:
+    """(encodes, decodes) the --vae-patch-parallel-size 2 group splits: each Transfer request's first chunk
+    encodes its controls and its target, each request's last decode; split where the cut the workers plan (one
+    thread) has two shards. Chunk boundaries are each rank's own (off the loop): not counted."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        encodes = decodes = 0
+        for r in requests:
+            split = len(plan_cut((r.height // 16, r.width // 16), 2, torch.device("cpu")).sizes) > 1
+            decodes += split
+            encodes += split * (len(r.transfer.controls) + 1 if r.transfer is not None else 0)
+    finally:
+        torch.set_num_threads(threads)
+    return encodes, decodes

@@ -146,22 +146,3 @@ def test_a_csv_line_goes_through_the_same_checks(media):
     (media / "r.json").write_text(json.dumps(as_json))
     (same,), _ = load_requests(str(media / "r.json"))
     assert same.content_hash() == a.content_hash()
-
-
-def test_transfer_under_sp_is_refused_before_loading(media, tiny_ckpt):
-    """--sp (and --vae-patch-parallel-size) with a Transfer request: exit 2 naming the request and the flags,
-    before the world is checked or anything loads, no --out folder left behind."""
-    from typer.testing import CliRunner
-
-    from cosmos3_batch.cli import app
-
-    rows = [{"id": "plain", "prompt": "p"}, {"id": "tr", "prompt": "p", "control": {"edge": "edge.mp4"}}]
-    prompts = write_jsonl(media / "sp.jsonl", rows)
-    both = ["--sp", "2", "--vae-patch-parallel-size", "2"]
-    for flags, named in ((["--sp", "2"], "--sp yet"), (both, "--sp and --vae-patch-parallel-size")):
-        out = media / "out-sp"
-        args = ["run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress", *flags]
-        result = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
-        assert result.exit_code == 2, result.output
-        assert f"request 'tr': Transfer does not run under {named}" in result.output.replace("\n", " ")
-        assert not out.exists() or not any(out.rglob("*"))
