@@ -281,7 +281,11 @@ class ResultWriter:
             "rank": self.rank,
             "weights": self.weights,
             **({} if job.cache is None else {"cache": cache_report(self.cfg.cache, job.cache)}),
-            **({} if r.transfer is None else {"controls": controls_record(r.transfer)}),
+            **(
+                {}
+                if r.transfer is None
+                else {"controls": controls_record(r.transfer), "chunks": job.vae_calls}
+            ),
             "versions": versions(),
         }
 
@@ -332,3 +336,8 @@ class ResultWriter:
 # What a shard's index keeps of each sample's sidecar: resume's checks and the manifest's columns.
 INDEXED = ("id", "kind", "request", "request_hash", "output_key", "seed", "timings", "model", "model_digest",
            "rank")  # fmt: skip
+
+
+def _transfer_record(job) -> dict:
+    """A Transfer sidecar's controls (paths, hashes, derivations) and its chunks with the VAE calls made."""
+    return {"controls": controls_record(job.request.transfer), "chunks": job.vae_calls}

@@ -113,6 +113,7 @@ class TransferJob(RequestJob):
         self.away = 0  # passes left to sit out at a chunk boundary (the gap)
         self._boundary: Future | None = None  # the boundary being crossed off the loop
         self.timings["boundary_wait_s"] = 0.0
+        self.vae_calls = {"chunks": self.spec.num_chunks, "decodes": 0, "encodes": 0}  # the sidecar's
         self._enter(*self._chunk_start(0, None, ctx.encode_helper, ctx.encode_lock))
         cond_ids, uncond_ids = tokenize_transfer(ctx.helper, r)
         ids = {COND: cond_ids, UNCOND: uncond_ids}
@@ -143,6 +144,7 @@ class TransferJob(RequestJob):
         window = (chunk_id * spec.stride, spec.chunk_frames, r.num_frames)
         with lock:
             controls, x0 = chunks.chunk_inputs(encoder, self.controls, target, window)
+        self.vae_calls["encodes"] += len(controls) + 1
         temporal = int(ctx.vae.config.scale_factor_temporal)
         latents, mask, clean, indexes = chunks.chunk_noise(x0, current, temporal, self.generator, ctx.device)
         # Cosmos3TransferSetTimestepsStep: set_timesteps on the pipeline's scheduler, per chunk, never the
@@ -347,6 +349,7 @@ class TransferJob(RequestJob):
             pixels = chunks.decode_chunk(self.ctx.helper, self.ctx.vae, latents, decode)
         if pixels is None:
             return None
+        self.vae_calls["decodes"] += 1
         self.chunk_latents.append(latents.cpu())
         self.pieces.append(pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :])
         return pixels

@@ -101,6 +101,17 @@ def sim_request(request, chunk_gap: int) -> SimRequest:
     return SimRequest(request.id, len(decisions), texts, decisions)
 
 
+def transfer_work(requests) -> dict | None:
+    """A job's Transfer chains, counted as the runner does them (None without any): chunks, and the VAE calls
+    between them, each chunk decoded once and encoded once per control and once for its target."""
+    chains = [r for r in requests if getattr(r, "transfer", None) is not None]
+    if not chains:
+        return None
+    chunks = sum(r.transfer.num_chunks for r in chains)
+    encodes = sum(r.transfer.num_chunks * (len(r.transfer.controls) + 1) for r in chains)
+    return {"requests": len(chains), "chunks": chunks, "vae_decodes": chunks, "vae_encodes": encodes}
+
+
 def most_branches(request) -> int:
     """The most GEN forwards a step of this request runs: what plan sizes a pass by (an interval may turn a
     Transfer axis off on some steps; the memory a step needs is its largest)."""

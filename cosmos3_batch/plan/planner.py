@@ -22,7 +22,7 @@ from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
 from cosmos3_batch.plan import text as plan_text
-from cosmos3_batch.plan.branches import most_branches, sim_request
+from cosmos3_batch.plan.branches import most_branches, sim_request, transfer_work
 from cosmos3_batch.plan.cache import SeaSettings, check_cache, check_reuse, skip_share
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
@@ -342,6 +342,13 @@ def plan_job(
     sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
     doc["simulation"] = sim.to_dict()
     text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
+    if (chains := transfer_work(requests)) is not None:
+        doc["transfer"] = chains
+        text.append(
+            f"Transfer: {chains['requests']} chain(s), {chains['chunks']} chunks: {chains['vae_decodes']} "
+            f"VAE decodes, {chains['vae_encodes']} encodes (controls + target per chunk); a chain sits "
+            f"out --chunk-gap-passes {rule.chunk_gap} passes per chunk boundary"
+        )
     if shape is not None:
         doc["weights"] = weight_format(checkpoint, shape)
         text.append(f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB")

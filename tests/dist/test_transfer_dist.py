@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.cli import app
 from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.plan.branches import texts_needed, transfer_plan
 from cosmos3_batch.plan.prefill import PrefillRule
@@ -123,6 +125,8 @@ def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt, c
     ]  # fmt: skip
     codes = torchrun_jobs(2, jobs, folder / "launch")
     forwards, texts = planned_forwards(requests, Checkpoint.open(tiny_ckpt).config("scheduler"))
+    planned = CliRunner().invoke(app, ["plan", str(prompts), "--json"], catch_exceptions=False)
+    chains = json.loads(planned.output)["transfer"]  # the chunks and VAE calls plan counts
     log = folder / "launch" / "stderr.txt"
     for name, code in zip(CONFIGS, codes, strict=True):
         assert code == 0, (name, log.read_text()[-3000:])
@@ -135,6 +139,13 @@ def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt, c
                 assert np.array_equal(ours, frames.reshape(ours.shape)), (name, rid)
             sidecar = json.loads((out / f"{rid}.json").read_text())
             assert sidecar["kind"] == ("t2v" if "t2v" in rid else "transfer"), (name, rid)
+        made = [json.loads((out / f"{r.id}.json").read_text())["chunks"] for r in requests if r.transfer]
+        assert chains == {
+            "requests": len(made),
+            "chunks": sum(m["chunks"] for m in made),
+            "vae_decodes": sum(m["decodes"] for m in made),
+            "vae_encodes": sum(m["encodes"] for m in made),
+        }, (name, made)
         ranks = json.loads((out / "summary.json").read_text())["ranks"]
         assert len({r["collective_trace"] for r in ranks}) == 1, name  # lockstep
         assert len({r["world_trace"] for r in ranks}) == 1, name
