@@ -126,7 +126,7 @@ def _vae_counts(team) -> dict:
     groups = [] if team is None else [g for g in (team.decoding, team.encoding) if g is not None]
     return {
         "vae_split_decodes": team.split_decodes if team is not None else 0,
-        "vae_split_encodes": team.split_encodes if team is not None else 0,
+        "vae_split_encodes": team.split_encodes + team.split_boundary_encodes if team is not None else 0,
         "vae_messages": sum(g.messages for g in groups),
     }
 

@@ -278,7 +278,7 @@ class TransferJob(RequestJob):
             preds[name] = split.vision_head(
                 normed, branch.seq, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
             ).float()
-        velocity = combine(preds, step) * self.state.velocity_mask
+        velocity = chunks.combine(preds, step) * self.state.velocity_mask
         t = self.timesteps[self.step_index]
         latents = self.sampler.step(velocity, t, self.latents, self.step_index)
         mask = self.state.velocity_mask
@@ -315,11 +315,19 @@ class TransferJob(RequestJob):
 
     def _cross(self, latents: torch.Tensor) -> tuple[chunks.ChunkState, UniPCSampler]:
         """On the finisher thread: decode the chunk, keep its piece, seed the next chunk with its tail and
-        encode that one's inputs (the chain's generator and scheduler state live on this rank)."""
+        encode that one's inputs (the chain's generator and scheduler state live on this rank). A member of
+        a --vae-patch-parallel-size decode team walks both with the team, in order with its decodes; every
+        other rank walks them whole (the split walk's bits are the whole one's)."""
         started = time.perf_counter()
-        previous = self._decode_chunk(latents)
-        ctx = self.ctx
-        out = self._chunk_start(self.chunk_id + 1, previous, ctx.helper, ctx.vae_lock)
+        ctx, team = self.ctx, self.ctx.vae_team
+        if team is None or not team.decodes:
+            previous, encoder = self._decode_chunk(latents), ctx.helper
+        else:
+            pixels = self._decode_chunk(team.share(latents), team.decode)  # the frames on the writer only
+            size = (self.request.height, self.request.width)
+            previous = team.share_tail(pixels, self.spec.conditional_frames, size, ctx.device)
+            encoder = team.boundary_view(ctx.helper)
+        out = self._chunk_start(self.chunk_id + 1, previous, encoder, ctx.vae_lock)
         self.timings["decode_s"] += time.perf_counter() - started
         return out
 
@@ -365,9 +373,7 @@ class TransferJob(RequestJob):
         if team is None:
             self._decode_chunk(self.latents)
         elif self._decode_chunk(team.share(self.latents), team.decode) is None:
-            # The last chunk decoded with the group (the boundaries' decodes were each rank's own: off the
-            # loop, no message to keep in order); the writer stitches.
-            return None
+            return None  # the last chunk decoded with the team; the writer stitches
         frames = chunks.stitch(self.ctx.helper, self.pieces, self.request.num_frames)
         self.timings["decode_s"] += time.perf_counter() - start
         return Result(latents=torch.cat(self.chunk_latents, dim=0), frames=frames)
@@ -376,19 +382,3 @@ class TransferJob(RequestJob):
 def job_class(request) -> type[RequestJob]:
     """The state machine a request runs as: Transfer's chunk chain, or the one-segment job."""
     return TransferJob if request.transfer is not None else RequestJob
-
-
-def combine(preds: dict[str, torch.Tensor], step: StepBranches) -> torch.Tensor:
-    """Cosmos3TransferLoopDenoiser's nested guidance: the control axis inside the text axis."""
-    cond = preds[COND]
-    if COND_NO_CONTROL in step.names and UNCOND in step.names:
-        no_control, uncond = preds[COND_NO_CONTROL], preds[UNCOND]
-        control_cond = no_control + step.control_scale * (cond - no_control)
-        return uncond + step.text_scale * (control_cond - uncond)
-    if COND_NO_CONTROL in step.names:
-        no_control = preds[COND_NO_CONTROL]
-        return no_control + step.control_scale * (cond - no_control)
-    if UNCOND in step.names:
-        uncond = preds[UNCOND]
-        return uncond + step.text_scale * (cond - uncond)
-    return cond

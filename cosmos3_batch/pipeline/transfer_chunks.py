@@ -8,7 +8,8 @@ tensors in the same dtypes, so the chain is bit-exact with `Cosmos3OmniModularPi
 - `chunk_inputs`: Cosmos3TransferChunkVaeEncoderStep (this chunk's control window, the target seeded from the
   seed video or the previous chunk's decoded tail, both encoded);
 - `chunk_noise`: Cosmos3TransferPrepareLatentsStep (noise from the request's generator, the condition mask);
-- `decode_chunk` and `stitch`: Cosmos3TransferDecodeChunkStep and Cosmos3TransferStitchStep.
+- `decode_chunk` and `stitch`: Cosmos3TransferDecodeChunkStep and Cosmos3TransferStitchStep;
+- `combine`: Cosmos3TransferLoopDenoiser's nested guidance.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from cosmos3_batch.plan.branches import COND, COND_NO_CONTROL, UNCOND, StepBranches
 
 
 @dataclass
@@ -130,3 +133,19 @@ def stitch(helper, pieces: list[torch.Tensor], total: int):
     they took from the previous one), cut to the requested length."""
     decoded = torch.cat(pieces, dim=2)[:, :, :total]
     return helper.video_processor.postprocess_video(decoded, output_type="np")[0]
+
+
+def combine(preds: dict[str, torch.Tensor], step: StepBranches) -> torch.Tensor:
+    """Cosmos3TransferLoopDenoiser's nested guidance: the control axis inside the text axis."""
+    cond = preds[COND]
+    if COND_NO_CONTROL in step.names and UNCOND in step.names:
+        no_control, uncond = preds[COND_NO_CONTROL], preds[UNCOND]
+        control_cond = no_control + step.control_scale * (cond - no_control)
+        return uncond + step.text_scale * (control_cond - uncond)
+    if COND_NO_CONTROL in step.names:
+        no_control = preds[COND_NO_CONTROL]
+        return no_control + step.control_scale * (cond - no_control)
+    if UNCOND in step.names:
+        uncond = preds[UNCOND]
+        return uncond + step.text_scale * (cond - uncond)
+    return cond

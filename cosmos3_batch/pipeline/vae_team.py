@@ -55,6 +55,8 @@ class VaeTeam:
     broken: str | None = None  # what broke the team on this rank (its message only: no frame is kept alive)
     split_decodes: int = 0  # decodes this rank took part in that used more than one shard
     split_encodes: int = 0
+    split_boundary_encodes: int = 0  # a Transfer chunk boundary's, on the decode team
+    _boundary_view: object = None  # `boundary_view`'s helper pipeline, once made
     encodes: int = 0  # encodes whose messages this rank has all taken part in (`prepare` reads it)
 
     @property
@@ -101,25 +103,36 @@ class VaeTeam:
 
     def encode(self, x: torch.Tensor, return_dict: bool = True):
         """AutoencoderKLWan.encode's output for a video [1, 3, T, H, W], on every rank of the --sp group."""
+        return self._encode_output(self.encoding, self.encode_vae, x, return_dict)
+
+    def _encode_output(
+        self, group: PatchGroup, whole_vae: torch.nn.Module, x: torch.Tensor, return_dict: bool
+    ):
+        """`encode`'s result through `group` (its first P ranks walk the split encoder; all of it receives
+        the result); `whole_vae` encodes a video too small to split, on every rank of `group`."""
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
         from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
         self.check()
         spatial = int(self.vae.config.scale_factor_spatial)
         latent_hw = (x.shape[3] // spatial, x.shape[4] // spatial)
-        cut = self._guard(lambda: self._cut(self.encoding, latent_hw, x.device))
+        cut = self._guard(lambda: self._cut(group, latent_hw, x.device))
         if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag (no message follows: an
             # error fails this request alone)
-            self.encodes += 1
-            h = type(self.encode_vae)._encode(self.encode_vae, x)
+            h = type(whole_vae)._encode(whole_vae, x)
         else:
-            h = self._guard(lambda: self._encode(x, cut, spatial))
+            h = self._guard(lambda: self._encode(group, x, cut, spatial))
+            if group is self.encoding:
+                self.split_encodes += 1
+            else:  # the finisher thread's: its own count (the loop's thread bumps the other)
+                self.split_boundary_encodes += 1
+        if group is self.encoding:
             self.encodes += 1
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
-    def _encode(self, x: torch.Tensor, cut: Shard, spatial: int) -> torch.Tensor:
-        group, config = self.encoding, self.vae.config
+    def _encode(self, group: PatchGroup, x: torch.Tensor, cut: Shard, spatial: int) -> torch.Tensor:
+        config = self.vae.config
         whole = None
         if group.index < len(cut.sizes):
             exchange = group.bind(cut)
@@ -129,8 +142,36 @@ class VaeTeam:
             frames = 1 + (x.shape[2] - 1) // int(config.scale_factor_temporal)
             shape = (x.shape[0], 2 * int(config.z_dim), frames, x.shape[3] // spatial, x.shape[4] // spatial)
             whole = x.new_empty(shape)
-        self.split_encodes += 1
         return group.broadcast(whole, 0)
+
+    # ---- a Transfer chunk boundary (finisher thread, decode members only) ---------------------------
+
+    def boundary_view(self, helper):
+        """A view of the helper pipeline whose VAE encodes through the decode team (the finisher thread's
+        group): a chunk boundary's encodes, in order with the team's decodes on every member. Made once."""
+        if self._boundary_view is None:
+            from cosmos3_batch.pipeline.context import encoder_view
+
+            view = encoder_view(helper, self.vae)
+
+            def encode(x: torch.Tensor, return_dict: bool = True):
+                return self._encode_output(self.decoding, view.vae, x, return_dict)
+
+            object.__setattr__(view.vae, "encode", encode)
+            self._boundary_view = view
+        return self._boundary_view
+
+    def share_tail(self, frames: torch.Tensor | None, count: int, size: tuple[int, int], device):
+        """The last `count` of the writer's decoded frames (float32 [1, 3, count, H, W]) on every member: what
+        the next chunk's target is seeded with (None when it takes none)."""
+        if count == 0:
+            return None
+        self.check()
+        if frames is not None:
+            buffer = frames[:, :, -count:].contiguous()
+        else:
+            buffer = torch.empty((1, 3, count, *size), dtype=torch.float32, device=device)
+        return self._guard(lambda: self.decoding.broadcast(buffer, 0))
 
     # ---- both -------------------------------------------------------------------------------------
 

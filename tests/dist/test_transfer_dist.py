@@ -42,9 +42,11 @@ ROWS = [
     # 17 frames in chunks of 9 overlapping by 1: 2 chunks.
     {"id": "chain", "prompt": "night", "control": {"edge": "long.mp4"}, "num_frames": 17,
      "frames_per_chunk": 9, "control_guidance": 1.5, "seed": 5},
-    # Big enough for the sp2 launch's VAE group to split its encodes and its decode (plan_cut at one thread).
-    {"id": "wide", "prompt": "a field", "control": {"edge": "edge.mp4"}, "size": "128x128", "num_frames": 5,
-     "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 9},
+    # Big enough for the sp2 launch's VAE group to split its encodes and decodes (plan_cut at one thread):
+    # 9 frames in chunks of 5 overlapping by 2, so that a boundary's decode and encodes are the group's too.
+    {"id": "wide", "prompt": "a field", "control": {"edge": "edge.mp4"}, "size": "128x128", "num_frames": 9,
+     "frames_per_chunk": 5, "conditional_frames": 2, "num_inference_steps": 2, "guidance_scale": 1.0,
+     "seed": 9},
     {"id": "t2v", "prompt": "a cat walks", "num_frames": 9, "seed": 7},
     {"id": "t2v-nocfg", "prompt": "a dog", "num_frames": 5, "guidance_scale": 1.0, "seed": 8},
 ]  # fmt: skip
@@ -115,7 +117,7 @@ def planned_forwards(requests, scheduler_config) -> tuple[int, int]:
 def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt, cpu_branch):
     folder, prompts, requests, reference = setup
     chunks = {r.id: r.transfer.num_chunks for r in requests if r.transfer}
-    assert chunks == {"edge": 1, "two": 1, "chain": 2, "wide": 1}
+    assert chunks == {"edge": 1, "two": 1, "chain": 2, "wide": 3}
     encodes, decodes = split_counts(requests)  # the VAE cut depends on this CPU's measured GEMM step
     cpu_branch(f"Transfer --vae-patch-parallel-size 2: {encodes} split encodes, {decodes} split decodes")
     jobs = [
@@ -164,17 +166,19 @@ def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt, c
 
 
 def split_counts(requests) -> tuple[int, int]:
-    """(encodes, decodes) the --vae-patch-parallel-size 2 group splits: each Transfer request's first chunk
-    encodes its controls and its target, each request's last decode; split where the cut the workers plan (one
-    thread) has two shards. Chunk boundaries are each rank's own (off the loop): not counted."""
+    """(encodes, decodes) the --vae-patch-parallel-size 2 group splits: each Transfer chunk's encodes of its
+    controls and its target (the first at admission, the others at the chunk boundaries, on the decode team)
+    and its decode, each other request's decode; split where the cut the workers plan (one thread) has two
+    shards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         encodes = decodes = 0
         for r in requests:
             split = len(plan_cut((r.height // 16, r.width // 16), 2, torch.device("cpu")).sizes) > 1
-            decodes += split
-            encodes += split * (len(r.transfer.controls) + 1 if r.transfer is not None else 0)
+            chunks = 1 if r.transfer is None else r.transfer.num_chunks
+            decodes += split * chunks
+            encodes += split * (chunks * (len(r.transfer.controls) + 1) if r.transfer is not None else 0)
     finally:
         torch.set_num_threads(threads)
     return encodes, decodes
