@@ -106,7 +106,7 @@ class TransferJob(RequestJob):
         length = max(r.num_frames, self.spec.chunk_frames)
         dtype = ctx.split.dtype  # the setup step casts the controls to the transformer's dtype
         size = (r.height, r.width)
-        self.controls = chunks.prepare_controls(ctx.helper, self._inputs[0], size, dtype, ctx.device, length)
+        self.controls = chunks.prepare_controls(ctx.helper, self._inputs[0], size, dtype, length)
         self.pieces: list[torch.Tensor] = []
         self.chunk_latents: list[torch.Tensor] = []
         self.chunk_id = 0
@@ -359,7 +359,8 @@ class TransferJob(RequestJob):
             return None
         self.vae_calls["decodes"] += 1
         self.chunk_latents.append(latents.cpu())
-        self.pieces.append(pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :])
+        piece = pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :]
+        self.pieces.append(piece.cpu())  # until the stitch: host memory, not the device's
         return pixels
 
     # ---- finish ------------------------------------------------------------------------------------

@@ -58,12 +58,15 @@ def reflect_pad(frames: torch.Tensor, length: int) -> torch.Tensor:
     return frames
 
 
-def prepare_controls(helper, controls: list, size: tuple[int, int], dtype, device, length: int) -> list:
-    """Each control's frames preprocessed at (height, width), padded to `length` = max(total, chunk)."""
+def prepare_controls(helper, controls: list, size: tuple[int, int], dtype, length: int) -> list:
+    """Each control's frames preprocessed at (height, width), padded to `length` = max(total, chunk), in the
+    transformer's dtype. Kept in host memory (a 720p control of 189 frames is 1 GiB in bf16): only a chunk's
+    window goes to the device, for its encode (a cast and a copy: the same bits as the reference's cast on
+    the device)."""
     height, width = size
     return [
         reflect_pad(helper.video_processor.preprocess_video(frames, height=height, width=width), length).to(
-            device=device, dtype=dtype
+            dtype=dtype
         )
         for frames in controls
     ]
@@ -96,7 +99,10 @@ def chunk_inputs(encoder, controls: list, target: torch.Tensor, window: tuple[in
     """(control latents, clean target latents) of one chunk; `window` = (start, chunk frames, total)."""
     start, chunk, total = window
     encode = encoder._encode_video
-    control_latents = [encode(_window(c, start, chunk, total)).contiguous().float() for c in controls]
+    device = target.device
+    control_latents = [
+        encode(_window(c, start, chunk, total).to(device)).contiguous().float() for c in controls
+    ]
     return control_latents, encode(target).contiguous().float()
 
 
@@ -130,7 +136,8 @@ def decode_chunk(helper, vae, latents: torch.Tensor, decode=None) -> torch.Tenso
 
 def stitch(helper, pieces: list[torch.Tensor], total: int):
     """The output frames [T, H, W, 3] in [0, 1]: the pieces along time (later chunks without the frames
-    they took from the previous one), cut to the requested length."""
+    they took from the previous one), cut to the requested length. The pieces wait in host memory (float32
+    frames of a whole video); the post-processing is elementwise (x / 2 + 0.5, clamped): the same bits."""
     decoded = torch.cat(pieces, dim=2)[:, :, :total]
     return helper.video_processor.postprocess_video(decoded, output_type="np")[0]
 
