@@ -1,10 +1,11 @@
 """Transfer (DESIGN.md §17) under real torchrun (world 2, gloo, CPU), in one launch (tests/dist/jobs.py):
-Transfer requests (one control and two, text and control guidance switched by intervals, a 2-chunk chain)
-mixed with T2V in one job, allgather and local at --max-active 1 and 4, equal to the references in this
-process bit for bit (`Cosmos3OmniModularPipeline` for Transfer: every chunk's latents and the frames;
-`Cosmos3OmniPipeline` for T2V); every rank issues the same collectives, and the layers ran exactly the
-forwards plan/branches.py asks for, summed over the ranks; `plan`'s simulator predicts each run's passes,
-UND passes, bytes and slot occupancy exactly."""
+Transfer requests (one control and two, text and control guidance switched by intervals, 2- and 3-chunk
+chains) mixed with T2V in one job, allgather and local at --max-active 1 and 4, sharded at 2, and one --sp 2
+group with --vae-patch-parallel-size 2, at chunk gaps 0 to 3; equal to the references in this process bit for
+bit (`Cosmos3OmniModularPipeline` for Transfer: every chunk's latents and the frames; `Cosmos3OmniPipeline`
+for T2V); every rank issues the same collectives, and the layers ran exactly the forwards plan/branches.py
+asks for, summed over the ranks; `plan`'s simulator predicts each run's passes, UND passes, bytes and slot
+occupancy exactly, and `plan` counts the chunks and VAE calls the sidecars record."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ CONFIGS = {
     "ag4": ["--offload", "allgather", "--max-active", "4", "--chunk-gap-passes", "3"],
     "local1": ["--offload", "local", "--max-active", "1", "--chunk-gap-passes", "0"],
     "local4": ["--offload", "local", "--max-active", "4", "--chunk-gap-passes", "2"],
+    "sharded2": ["--offload", "sharded", "--max-active", "2", "--chunk-gap-passes", "2"],
     # One --sp group of both ranks: every GEN sequence ([controls..., target] too) split over them, the
     # first chunk's control and target encodes and the last chunk's decode shared by the group.
     "sp2": ["--offload", "allgather", "--max-active", "2", "--chunk-gap-passes", "1", "--sp", "2",
