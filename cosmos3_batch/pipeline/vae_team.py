@@ -117,17 +117,18 @@ class VaeTeam:
         spatial = int(self.vae.config.scale_factor_spatial)
         latent_hw = (x.shape[3] // spatial, x.shape[4] // spatial)
         cut = self._guard(lambda: self._cut(group, latent_hw, x.device))
+        loop = group is self.encoding  # else the finisher thread's decode team: counts of its own
         if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag (no message follows: an
-            # error fails this request alone)
+            # error fails this request alone, so its messages are done here)
+            self.encodes += loop
             h = type(whole_vae)._encode(whole_vae, x)
         else:
             h = self._guard(lambda: self._encode(group, x, cut, spatial))
-            if group is self.encoding:
+            self.encodes += loop
+            if loop:
                 self.split_encodes += 1
-            else:  # the finisher thread's: its own count (the loop's thread bumps the other)
+            else:
                 self.split_boundary_encodes += 1
-        if group is self.encoding:
-            self.encodes += 1
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
