@@ -140,6 +140,8 @@ def only(outputs: Outputs, *ids: str) -> Outputs:
 
 
 def test_three_controls_in_any_order_with_both_guidances(tiny_ckpt, requests_, reference):
+    """The line gives depth, edge, blur and so does the reference's `control_videos`; both order them edge,
+    blur, depth (fed in the line's order, ours gives other bits: the order is what this checks)."""
     r = requests_["three"]
     assert r.transfer.hints == ("edge", "blur", "depth")
     # Both axes on at every step: 3 forwards, the full ones over 4 vision items (3 controls + target).
@@ -154,9 +156,11 @@ def test_three_controls_in_any_order_with_both_guidances(tiny_ckpt, requests_, r
 
 
 def test_transfer_mixed_with_i2v_and_t2v_at_max_active_3(tiny_ckpt, requests_, reference):
+    """Two Transfer requests (one a 2-chunk chain, decoding and re-encoding between passes), an I2V and a T2V
+    one in one run: each equals its own reference pipeline."""
     ours, runner = run(tiny_ckpt, list(requests_.values()), 3)
     assert_equal(ours, reference)
-    # They really shared passes: three requests rode one pass, a Transfer chain among them.
+    # They really shared passes: three requests rode one pass, so a Transfer one among them (two are not).
     assert max(record.active for record in runner.timeline) == 3
 
 
@@ -174,6 +178,7 @@ def bf16_reference(bf16_ckpt: Path, requests_: dict[str, Request]) -> Outputs:
 
 
 def test_bf16_checkpoint_as_stored(bf16_ckpt, requests_, reference, bf16_reference):
+    """No --dtype: the transformer computes in the stored bfloat16, the VAE in its stored float32."""
     ours, runner = run(bf16_ckpt, [requests_["three"], requests_["chain"]], 2)
     assert runner.ctx.split.dtype == torch.bfloat16 and runner.ctx.vae.dtype == torch.float32
     assert_equal(ours, bf16_reference)
