@@ -54,6 +54,7 @@ MODULE_SECONDS = {
     "tests/unit/test_datasets.py": 25,
     "tests/unit/test_transfer_derived.py": 40,  # a derived-control run and its modular reference
     "tests/unit/test_transfer_outputs.py": 30,  # a files and a webdataset run
+    "tests/unit/test_transfer_variants.py": 20,  # 8 runs and their references, 18 s alone on 2 cores
 }
 
 
