@@ -115,6 +115,17 @@ class TransferJob(RequestJob):
         self.timings["boundary_wait_s"] = 0.0
         self.vae_calls = {"chunks": self.spec.num_chunks, "decodes": 0, "encodes": 0}  # the sidecar's
         self._enter(*self._chunk_start(0, None, ctx.encode_helper, ctx.encode_lock))
+        # Every chunk's fresh scheduler has these timesteps: read on the host once, here (a device sync at
+        # admission, as any request's), not at each rejoin.
+        self._timestep_values = self.timesteps.tolist()
+        spec = self.spec
+        self.plan: list[StepBranches] = transfer_plan(
+            self._timestep_values,
+            r.guidance_scale,
+            spec.control_guidance,
+            spec.guidance_interval,
+            spec.control_guidance_interval,
+        )
         cond_ids, uncond_ids = tokenize_transfer(ctx.helper, r)
         ids = {COND: cond_ids, UNCOND: uncond_ids}
         self.texts = {name: self._text(ids[name]) for name in texts_needed(self.plan)}
@@ -154,19 +165,10 @@ class TransferJob(RequestJob):
 
     def _enter(self, state: chunks.ChunkState, sampler: UniPCSampler) -> None:
         """Make `state` the chunk the steps work on (the pass loop's thread)."""
-        r, spec = self.request, self.spec
         self.state, self.latents = state, state.latents
         self.sampler = sampler
         self.scheduler = sampler.scheduler
         self.timesteps = self.scheduler.timesteps
-        self._timestep_values = self.timesteps.tolist()
-        self.plan: list[StepBranches] = transfer_plan(
-            self._timestep_values,
-            r.guidance_scale,
-            spec.control_guidance,
-            spec.guidance_interval,
-            spec.control_guidance_interval,
-        )
         self.step_index = 0
 
     def _text(self, input_ids: list[int]) -> _Text:
