@@ -55,7 +55,8 @@ LOOKAHEAD_HELP = "Requests per rank prefilled ahead on a UND pass (their UND K/V
 CHUNK_GAP_HELP = (
     "Transfer chains: passes a chain sits out at each chunk boundary while the finisher thread decodes the "
     "chunk and encodes the next one beside the other requests' passes (0: the loop waits for it at once). "
-    "Raise it when the sidecars' boundary_wait_s is above 0 (docs/transfer.md)."
+    "Raise it when the sidecars' boundary_wait_s is above 0 while other requests were active (alone, a "
+    "chain's gap passes fetch nothing and a wait is the boundary itself; docs/transfer.md)."
 )
 SP_HELP = (
     "Sequence parallelism: groups of S consecutive ranks share each request, its GEN tokens split over "

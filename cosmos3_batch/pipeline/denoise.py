@@ -101,8 +101,19 @@ class RequestJob:
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 
+    # A Transfer chain (pipeline/transfer.py) hands work off the loop; a one-segment job does not.
+    rejoins = False  # this pass, before its gates, it takes back what it handed off
+
     def rejoin(self) -> None:
         """Before the pass's gates: take back work handed off the loop (a Transfer chain's next chunk)."""
+
+    def abandon(self) -> None:
+        """The run stops with this job unfinished: drop work handed off and not yet started."""
+
+    @property
+    def group_encodes(self) -> int:
+        """The VAE encodes its `prepare` makes (a --vae-patch-parallel-size group makes them together)."""
+        return int(self.needs_encode)
 
     def gen_branches(self) -> list[BranchSeq]:
         """The sequences this step runs through the GEN halves (cond, and uncond under CFG: every step)."""

@@ -62,7 +62,11 @@ class Finisher:
             return work(), None
         with self.cuda.stream(self._side):
             self._side.wait_event(ready)
-            out = work()
+            try:
+                out = work()
+            except BaseException:
+                self._side.synchronize()  # as in `_finish`: no kernel left reading memory the caller frees
+                raise
             done = self.cuda.Event()
             done.record(self._side)
         return out, done

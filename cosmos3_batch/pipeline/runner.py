@@ -36,7 +36,7 @@ from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.pipeline.finisher import Finisher
 from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank, tally
 from cosmos3_batch.pipeline.stop import JobFault, StopRequest
-from cosmos3_batch.pipeline.transfer import TransferJob, job_class
+from cosmos3_batch.pipeline.transfer import TransferJob, job_class, rejoin
 from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
@@ -165,7 +165,9 @@ class PassRunner:
             if self.team is not None:
                 self.team.check()  # a group decode broke on this rank: end the job (pipeline/vae_team.py)
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
-            active = self._guarded(active, "rejoin")  # Transfer chains back from a chunk boundary
+            active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
+            for job, error in failed:
+                self._fail(job, error)
             computing = gate_rank(active)  # before any layer: which branches run the stack this pass
             report = slots.report(len(active))
             local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
@@ -186,6 +188,8 @@ class PassRunner:
                 self.on_progress(world.finished - mine)  # our own were counted as they were written
             if world.stop:
                 self.interrupted = True
+                for job in active:
+                    job.abandon()
                 if self.leads:  # a group's requests are on record once
                     # Prefilled-ahead requests never took a step: like the queued ones, not started.
                     self.abandoned = active + self._unsubmitted
@@ -247,7 +251,11 @@ class PassRunner:
         ]
         for job in jobs:
             if isinstance(job, TransferJob):  # its chunk boundaries: on the finisher's thread, a fixed gap
-                job.gap, job.hand_off = self.rule.chunk_gap, self.finisher.hand_off
+                job.gap, job.hand_off, job.keeps_output = (
+                    self.rule.chunk_gap,
+                    self.finisher.hand_off,
+                    self.leads,
+                )
         if self.team is not None:  # the group encodes together: agree on the files first
             agree_inputs(jobs, self.sp)
         errors = []

@@ -16,19 +16,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.prompts import tokenize_transfer
-from cosmos3_batch.model.ulysses import SeqShard
-from cosmos3_batch.parallel.sequence import check_model, shard_rows
 from cosmos3_batch.pipeline import transfer_chunks as chunks
 from cosmos3_batch.pipeline.controls import derive
-from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob, Result, VisionLayout
+from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob, Result
 from cosmos3_batch.pipeline.samplers import UniPCSampler
+from cosmos3_batch.pipeline.transfer_pack import GenBranch, pack, text_branch
+from cosmos3_batch.pipeline.vae_team import GroupBroken
 from cosmos3_batch.plan.branches import (
     COND,
     COND_NO_CONTROL,
@@ -39,23 +38,23 @@ from cosmos3_batch.plan.branches import (
 )
 from cosmos3_batch.requests.transfer import AUTO
 
-
-@dataclass
-class _Text:
-    segment: dict  # the reference's text segment (input ids, und_len, mRoPE ids, vision offset)
-    seq: BranchSeq  # its UND branch: the K/V every GEN branch of this text reads
-
-
-@dataclass
-class GenBranch:
-    seq: BranchSeq
-    layout: VisionLayout
-    full: bool  # over [controls..., target]; else the target alone
+# Each GEN branch: (name, the text whose K/V it reads, over the controls too).
+BRANCHES = ((COND, COND, True), (COND_NO_CONTROL, COND, False), (UNCOND, UNCOND, True))
 
 
 class TransferJob(RequestJob):
-    gap = 0  # passes sat out at each chunk boundary: the runner's PrefillRule.chunk_gap
-    hand_off: Callable[[Callable[[], Any]], Future] | None = None  # the runner's Finisher.hand_off
+    # Set by the runner at admission:
+    gap = 0  # passes sat out at each chunk boundary (PrefillRule.chunk_gap)
+    hand_off: Callable[[Callable[[], Any]], Future] | None = None  # Finisher.hand_off: crosses a boundary
+    keeps_output = True  # False on the ranks of an --sp group that never write: no pieces kept there
+
+    @property
+    def rejoins(self) -> bool:
+        return self._boundary is not None and not self.away
+
+    @property
+    def group_encodes(self) -> int:
+        return len(self.spec.controls) + 1  # the first chunk's, at admission
 
     @property
     def done(self) -> bool:
@@ -128,16 +127,16 @@ class TransferJob(RequestJob):
         )
         cond_ids, uncond_ids = tokenize_transfer(ctx.helper, r)
         ids = {COND: cond_ids, UNCOND: uncond_ids}
-        self.texts = {name: self._text(ids[name]) for name in texts_needed(self.plan)}
+        self.texts = {name: text_branch(ctx, self.sp, ids[name]) for name in texts_needed(self.plan)}
         self.branches = [text.seq for text in self.texts.values()]  # the UND prefills
         self.tokens = sum(len(ids[name]) for name in self.texts)
-        self._build_branches()
+        self.gen = self._branches(self.state)
         self.timings["prepare_s"] = time.perf_counter() - start
 
     def _chunk_start(self, chunk_id: int, previous, encoder, lock) -> tuple[chunks.ChunkState, UniPCSampler]:
         """A chunk's control window and seeded target encoded, its noise drawn, a fresh scheduler. Touches
-        only what it returns and the chain's generator: the finisher thread runs it at a boundary (`encoder`:
-        a helper pipeline whose VAE that thread may use, `lock` the one that VAE's calls take)."""
+        only what it returns, the chain's generator and its VAE call count: the finisher thread runs it at a
+        boundary (`encoder`: a helper pipeline whose VAE that thread may use, `lock` that VAE's)."""
         r, ctx, spec = self.request, self.ctx, self.spec
         vae_dtype = ctx.vae.dtype
         if chunk_id == 0:
@@ -171,68 +170,18 @@ class TransferJob(RequestJob):
         self.timesteps = self.scheduler.timesteps
         self.step_index = 0
 
-    def _text(self, input_ids: list[int]) -> _Text:
-        """A text's UND branch; its rotary comes from its first GEN sequence (`_build_branches`)."""
-        ctx = self.ctx
-        segment = ctx.helper._prepare_text_segment(input_ids, device=ctx.device)
-        hidden = ctx.split.embed_text(segment["input_ids"], ctx.device)
-        shard = None
-        if self.sp is not None:  # its UND K/V kept for this rank's KV heads only: what its GEN branches read
-            shard = SeqShard(self.sp, [0] * self.sp.size, check_model(self.sp.size, ctx.split.config))
-        seq = BranchSeq(hidden, hidden, rot_und=None, rot_gen=None, mse_rows=None, shard=shard)
-        return _Text(segment, seq)
-
-    def _build_branches(self) -> None:
-        """The GEN sequences of this chunk's steps, as Cosmos3TransferPackSequenceStep packs them."""
+    def _branches(self, state: chunks.ChunkState) -> dict[str, GenBranch]:
+        """The GEN sequences of a chunk's steps (any thread: they read only the texts' fixed parts)."""
         wanted = {name for step in self.plan for name in step.names}
-        self.gen: dict[str, GenBranch] = {}
-        for name, text, full in ((COND, COND, True), (COND_NO_CONTROL, COND, False), (UNCOND, UNCOND, True)):
-            if name in wanted:
-                self.gen[name] = self._pack(self.texts[text], full)
-
-    def _pack(self, text: _Text, full: bool) -> GenBranch:
-        ctx, state = self.ctx, self.state
-        segment = text.segment
-        items = [*state.control_latents, self.latents] if full else [self.latents]
-        clean = [True] * (len(items) - 1) + [False]
-        offset, curr = segment["vision_start_temporal_offset"], segment["und_len"]
-        shapes, noisy, mse, mrope, noisy_tokens = [], [], [], [segment["text_mrope_ids"]], 0
-        for item, is_clean in zip(items, clean, strict=True):
-            frames = list(range(item.shape[2])) if is_clean else state.condition_indexes
-            part = ctx.helper._prepare_vision_segment(
-                input_vision_tokens=item,
-                has_image_condition=False,
-                mrope_offset=offset,
-                vision_fps=self.request.fps,
-                curr=curr,
-                device=ctx.device,
-                condition_frame_indexes=frames,
+        return {
+            name: pack(self.ctx, self.sp, self.request.fps, self.texts[text], state, full)
+            for name, text, full in (
+                (COND, COND, True),
+                (COND_NO_CONTROL, COND, False),
+                (UNCOND, UNCOND, True),
             )
-            shapes += part["vision_token_shapes"]
-            noisy += part["vision_noisy_frame_indexes"]
-            mse.append(part["vision_mse_loss_indexes"])
-            mrope.append(part["vision_mrope_ids"])
-            noisy_tokens += part["num_noisy_vision_tokens"]
-            curr += part["num_vision_tokens"]
-        und_len = segment["und_len"]
-        rot_und, rot_gen = ctx.split.rotary(torch.cat(mrope, dim=1), und_len, ctx.device)
-        if text.seq.rot_und is None:
-            text.seq.rot_und = rot_und
-        shard = None
-        if self.sp is not None:  # this rank's rows of [controls..., target] (or the target alone), as any GEN
-            heads = check_model(self.sp.size, ctx.split.config)
-            shard = SeqShard(self.sp, shard_rows(curr - und_len, self.sp.size), heads)
-            rot_gen = (rot_gen[0][shard.local], rot_gen[1][shard.local])
-        seq = BranchSeq(
-            und_hidden=None,
-            text_hidden=text.seq.text_hidden,
-            rot_und=rot_und,
-            rot_gen=rot_gen,
-            mse_rows=torch.cat(mse) - und_len,
-            und_kv=text.seq.und_kv,  # the same list: filled once by the text's UND prefill
-            shard=shard,
-        )
-        return GenBranch(seq, VisionLayout(shapes, noisy, noisy_tokens), full)
+            if name in wanted
+        }
 
     # ---- one denoising step ------------------------------------------------------------------------
 
@@ -290,18 +239,21 @@ class TransferJob(RequestJob):
             self._forget_und()
         self.timings["denoise_s"] = time.perf_counter() - self._denoise_started
         if self.step_index >= len(self.timesteps) and self.chunk_id < self.spec.num_chunks - 1:
-            self._hand_off()
+            self._leave()
 
     def _forget_und(self) -> None:
         """The --no-und-cache ablation: the texts' K/V are recomputed next pass, the branches relinked."""
         for text in self.texts.values():
             text.seq.reset_und()
-        for name, branch in self.gen.items():
+        self._relink()
+
+    def _relink(self) -> None:
+        for name, branch in self.gen.items():  # each GEN branch reads its text's current K/V list
             branch.seq.und_kv = self.texts[UNCOND if name == UNCOND else COND].seq.und_kv
 
     # ---- a chunk boundary, off the loop ------------------------------------------------------------
 
-    def _hand_off(self) -> None:
+    def _leave(self) -> None:
         """The chain keeps its slot and computes nothing for `gap` passes (the same count on every rank and in
         the simulator) while the finisher thread decodes this chunk and encodes the next one."""
         self.away = self.gap
@@ -315,32 +267,38 @@ class TransferJob(RequestJob):
         except Exception as exc:
             self._boundary.set_exception(exc)
 
-    def _cross(self, latents: torch.Tensor) -> tuple[chunks.ChunkState, UniPCSampler]:
-        """On the finisher thread: decode the chunk, keep its piece, seed the next chunk with its tail and
-        encode that one's inputs (the chain's generator and scheduler state live on this rank). A member of
-        a --vae-patch-parallel-size decode team walks both with the team, in order with its decodes; every
-        other rank walks them whole (the split walk's bits are the whole one's)."""
+    def _cross(self, latents: torch.Tensor) -> tuple:
+        """On the finisher thread: decode the chunk, keep its piece, seed the next chunk with its tail, encode
+        that one's inputs and pack its branches (the chain's generator and scheduler state live on this
+        rank). A member of a --vae-patch-parallel-size decode team walks the VAE with the team, in order with
+        its decodes; every other rank walks it whole (the split walk's bits are the whole one's)."""
         started = time.perf_counter()
         ctx, team = self.ctx, self.ctx.vae_team
         if team is None or not team.decodes:
-            previous, encoder = self._decode_chunk(latents), ctx.helper
-        else:
-            pixels = self._decode_chunk(team.share(latents), team.decode)  # the frames on the writer only
-            size = (self.request.height, self.request.width)
-            previous = team.share_tail(pixels, self.spec.conditional_frames, size, ctx.device)
-            encoder = team.boundary_view(ctx.helper)
-        out = self._chunk_start(self.chunk_id + 1, previous, encoder, ctx.vae_lock)
+            state, sampler = self._chunk_start(
+                self.chunk_id + 1, self._decode_chunk(latents), ctx.helper, ctx.vae_lock
+            )
+        else:  # an error between the team's messages on one member only breaks the team (no message after)
+            state, sampler = team.guarded(lambda: self._cross_with(team, latents))
+        out = state, sampler, self._branches(state)
         self.timings["decode_s"] += time.perf_counter() - started
         return out
+
+    def _cross_with(self, team, latents: torch.Tensor) -> tuple:
+        ctx = self.ctx
+        pixels = self._decode_chunk(team.share(latents), team.decode)  # the frames on the writer only
+        size = (self.request.height, self.request.width)
+        previous = team.share_tail(pixels, self.spec.conditional_frames, size, ctx.device)
+        return self._chunk_start(self.chunk_id + 1, previous, team.boundary_view(ctx.helper), ctx.vae_lock)
 
     def rejoin(self) -> None:
         """Before the pass's gates, once the gap is over: take the next chunk from the finisher thread
         (waiting for it if it is not done yet: boundary_wait_s; raises what crossing it raised)."""
-        if self._boundary is None or self.away:
+        if not self.rejoins:
             return
         started = time.perf_counter()
         try:
-            (state, sampler), done = self._boundary.result()
+            (state, sampler, gen), done = self._boundary.result()
         finally:
             self._boundary = None
             self.timings["boundary_wait_s"] += time.perf_counter() - started
@@ -348,7 +306,14 @@ class TransferJob(RequestJob):
             torch.cuda.current_stream(self.ctx.device).wait_event(done)
         self.chunk_id += 1
         self._enter(state, sampler)
-        self._build_branches()
+        self.gen = gen
+        self._relink()
+
+    def abandon(self) -> None:
+        """The run stops: a boundary not yet started is not crossed (without a VAE team: with one, every
+        member must walk the same messages, and which have started differs between them)."""
+        if self._boundary is not None and self.ctx.vae_team is None:
+            self._boundary.cancel()
 
     def _decode_chunk(self, latents: torch.Tensor, decode=None) -> torch.Tensor | None:
         """Decode a chunk and keep its piece and latents; None on a member of a --vae-patch-parallel-size
@@ -360,9 +325,10 @@ class TransferJob(RequestJob):
         if pixels is None:
             return None
         self.vae_calls["decodes"] += 1
-        self.chunk_latents.append(latents.cpu())
-        piece = pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :]
-        self.pieces.append(piece.cpu())  # until the stitch: host memory, not the device's
+        if self.keeps_output:
+            self.chunk_latents.append(latents.cpu())
+            piece = pixels if self.chunk_id == 0 else pixels[:, :, self.state.conditional_frames :]
+            self.pieces.append(piece.cpu())  # until the stitch: host memory, not the device's
         return pixels
 
     # ---- finish ------------------------------------------------------------------------------------
@@ -380,6 +346,31 @@ class TransferJob(RequestJob):
         frames = chunks.stitch(self.ctx.helper, self.pieces, self.request.num_frames)
         self.timings["decode_s"] += time.perf_counter() - start
         return Result(latents=torch.cat(self.chunk_latents, dim=0), frames=frames)
+
+
+def rejoin(active: list[RequestJob], sp) -> tuple[list[RequestJob], list[tuple[RequestJob, str]]]:
+    """Chains whose gap ends take their next chunk: (the jobs kept, the (job, error) that failed at their
+    boundary). Under --sp the group agrees first (a chain rejoins on the same pass on every rank of its group,
+    and a non-finite chunk fails on each alike), unless its decode team broke: that ends the job."""
+    returning = [job for job in active if job.rejoins]
+    if not returning:
+        return active, []
+    errors = []
+    for job in returning:
+        try:
+            job.rejoin()
+            errors.append(None)
+        except GroupBroken:
+            raise
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    if sp is not None:
+        agreed = sp.agree([error is None for error in errors])
+        other = "failed at a chunk boundary on another rank of its --sp group"
+        errors = [e if e is not None or ok else other for e, ok in zip(errors, agreed, strict=True)]
+    failed = [(job, error) for job, error in zip(returning, errors, strict=True) if error is not None]
+    gone = {id(job) for job, _ in failed}
+    return [job for job in active if id(job) not in gone], failed
 
 
 def job_class(request) -> type[RequestJob]:

@@ -120,11 +120,11 @@ class VaeTeam:
         loop = group is self.encoding  # else the finisher thread's decode team: counts of its own
         if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag (no message follows: an
             # error fails this request alone, so its messages are done here)
-            self.encodes += loop
+            self.encodes += int(loop)
             h = type(whole_vae)._encode(whole_vae, x)
         else:
             h = self._guard(lambda: self._encode(group, x, cut, spatial))
-            self.encodes += loop
+            self.encodes += int(loop)
             if loop:
                 self.split_encodes += 1
             else:
@@ -196,10 +196,22 @@ class VaeTeam:
         except (RequestFailed, GroupBroken):
             raise
         except Exception as exc:
-            if job.needs_encode and self.encodes == done:
-                what = f"request {job.request.id} failed on this rank before its group encode"
+            if self.encodes - done < job.group_encodes:  # before or between its encodes (Transfer: several)
+                what = f"request {job.request.id} failed on this rank before its group encodes were done"
                 raise GroupBroken(f"{what}: {type(exc).__name__}: {exc}") from exc
             raise
+
+    def guarded(self, step):
+        """`step()`, whose VAE walk takes the decode team's messages with work of this rank's own between
+        them (a Transfer chunk boundary): any error in it breaks the team, as one inside a walk does."""
+        try:
+            return step()
+        except GroupBroken:
+            raise
+        except Exception as exc:
+            self.broken = f"a group VAE walk broke midway, failed on this rank: {type(exc).__name__}: {exc}"
+            log.error("%s; the job ends", self.broken)
+            raise GroupBroken(self.broken) from exc
 
     def _guard(self, step):
         try:

@@ -46,10 +46,13 @@ class Job:
     """A request at admission: `prepare` encodes `video` (its conditioning) through the team, and fails
     "before" or "after" that encode where `fail` says."""
 
-    def __init__(self, rid: str, team: VaeTeam, video: torch.Tensor | None = None, fail: str | None = None):
+    def __init__(
+        self, rid: str, team: VaeTeam, video: torch.Tensor | None = None, fail: str | None = None, encodes=1
+    ):
         self.request = SimpleNamespace(id=rid, transfer=None)
         self.team, self.video, self.fail = team, video, fail
         self.needs_encode = video is not None
+        self.group_encodes = encodes if video is not None else 0  # a Transfer request makes several
         self.input_error = None
 
     def load_inputs(self) -> None:
@@ -58,7 +61,9 @@ class Job:
     def prepare(self) -> None:
         if self.fail == "before":
             raise RuntimeError("out of memory (preprocessing)")
-        if self.video is not None:
+        for index in range(self.group_encodes):
+            if index == 1 and self.fail == "between":
+                raise RuntimeError("out of memory (between its encodes)")
             self.team.encode(self.video)
         if self.fail == "after":
             raise RuntimeError("out of memory (after the encode)")
@@ -100,10 +105,29 @@ def test_a_request_failing_on_one_rank_before_its_group_encode_ends_the_job_on_b
     (first, second), teams = admitting(vae, admissions, monkeypatch, timeout_s=2)
     assert isinstance(second, GroupBroken), second
     assert str(second) == (
-        "request a failed on this rank before its group encode: RuntimeError: out of memory (preprocessing)"
+        "request a failed on this rank before its group encodes were done: RuntimeError: out of memory "
+        "(preprocessing)"
     )
     assert teams[1].encoding.messages == 0 and teams[1].encodes == 0
     # Rank 0 waited in a's encode until the group's timeout: its peer is gone, not its own walk.
+    assert isinstance(first, GroupBroken), first
+    assert "a message failed: a peer rank died or stalled past --collective-timeout-s" in str(first)
+
+
+def test_a_request_failing_between_its_group_encodes_ends_the_job_on_both(vae, monkeypatch):
+    """A Transfer request's admission makes one group encode per control and one for its target: an error
+    on one rank after the first of them leaves its peer in the next one (not "messages done")."""
+
+    def admissions(rank: int, team: VaeTeam) -> list:
+        return [[Job("tr", team, IMAGE, fail="between" if rank else None, encodes=3), Job("b", team, IMAGE)]]
+
+    (first, second), teams = admitting(vae, admissions, monkeypatch, timeout_s=2)
+    assert isinstance(second, GroupBroken), second
+    assert str(second) == (
+        "request tr failed on this rank before its group encodes were done: RuntimeError: out of memory "
+        "(between its encodes)"
+    )
+    assert teams[1].encodes == 1
     assert isinstance(first, GroupBroken), first
     assert "a message failed: a peer rank died or stalled past --collective-timeout-s" in str(first)
 
