@@ -127,3 +127,32 @@ def test_a_boundary_that_fails_fails_its_chain_alone(ctx, folder, monkeypatch):
     assert sorted(results) == ["t2v"]
     assert errors == {"chain": "OSError: disk read failed"}
     assert calls[1].startswith("finisher")
+
+
+def test_a_non_finite_chunk_fails_its_chain_at_the_boundary(ctx, folder, monkeypatch):
+    requests = _requests(folder, [CHAIN, T2V])
+    real = transfer_chunks.combine
+
+    def combine(preds, step):
+        return real(preds, step) * float("nan")  # every step of the chain: its first chunk ends non-finite
+
+    monkeypatch.setattr(transfer_chunks, "combine", combine)
+    results, errors, _ = _run(ctx, requests, gap=1, max_active=2)
+    assert sorted(results) == ["t2v"]
+    assert errors == {"chain": "RequestFailed: chunk 0: latents contain NaN or inf; nothing was written"}
+
+
+def test_the_ranks_that_write_nothing_keep_no_pieces(ctx, folder):
+    """An --sp group's other ranks cross every boundary too (they need the tail) but keep no piece."""
+    from cosmos3_batch.pipeline.transfer import TransferJob
+
+    (chain,) = _requests(folder, [CHAIN])
+    job = TransferJob(ctx, chain)
+    job.keeps_output = False
+    job.prepare()
+    for _ in range(3 * STEPS):
+        job.rejoin()  # no layers: the heads read the GEN stream as embedded
+        job.begin_step()
+        job.finish_step()
+    assert job.chunk_id == 2 and job.done
+    assert job.pieces == [] and job.chunk_latents == [] and job.vae_calls["decodes"] == 2
