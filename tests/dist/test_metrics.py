@@ -18,7 +18,7 @@ from tests.dist.jobs import ENV
 
 pytestmark = pytest.mark.dist
 ROWS = [
-    {"id": f"m{i}", "prompt": "a lighthouse", "num_frames": 1, "size": "32x32", "num_inference_steps": 20}
+    {"id": f"m{i}", "prompt": "a lighthouse", "num_frames": 1, "size": "32x32", "num_inference_steps": 40}
     for i in range(12)
 ]
 
