@@ -5,7 +5,8 @@ same folder in the same dtype:
 - three controls at once, given in another order than the canonical one, text and control guidance both on;
 - a checkpoint stored in bfloat16, run as stored, a 2-chunk chain included;
 - `--dtype` (`load_context(dtype=...)`): a float32 checkpoint cast to bfloat16 and a bf16 one upcast;
-- FP8 (`convert --fp8`, W8A16 compute) against the modular pipeline with diffusers' own W8A16 linears;
+- FP8 (`convert --fp8`, W8A16 compute) against the modular pipeline with diffusers' own W8A16 linears, and
+  W8A8 (which no reference computes): a chain's bits whatever shares its passes;
 - `--batch-branches` forced on, with branches of different lengths (cond over [controls, target], cond over
   [target] alone, uncond), all of at least 16 rows: the floor docs/numerics.md guarantees on every x86-64;
 - Transfer requests next to I2V and T2V ones at --max-active 3 (the plain ones against
@@ -238,6 +239,34 @@ def test_fp8_w8a16(tiny_ckpt, fp8_ckpt, requests_, reference):
     assert fp8.w8a8_calls == 0 and fp8.w8a16_calls > 0
     # Guards the test: FP8 really changes the numbers.
     assert not torch.equal(expected["three"][0], reference["three"][0])
+
+
+def test_fp8_w8a8_chain_does_not_depend_on_what_shares_its_passes(fp8_ckpt, requests_):
+    """W8A8 (the checkpoint's policy at every step; no diffusers reference computes it) takes each sequence's
+    own activation amax: a Transfer chain's branches of different lengths, alone or next to I2V and T2V
+    requests, per branch or batched (>= 16 rows a branch), give the same bits (tests/unit/test_fp8_w8a8.py
+    holds the same for the other modes)."""
+    chain = requests_["chain"]
+    others = [requests_["three"], requests_["i2v"], requests_["t2v"]]
+    outputs = []
+    for rows, max_active, batched in (
+        ([chain], 1, False),
+        ([chain, *others], 4, False),
+        ([*others, chain], 4, True),
+    ):
+        ctx = load_context(fp8_ckpt, torch.device("cpu"), fp8_compute="checkpoint")
+        fp8 = ctx.split.fp8
+        assert fp8.w8a8_available  # torch 2.13 has the CPU kernel
+        fp8.first_steps = fp8.last_steps = 0
+        results, errors = {}, {}
+
+        def done(job, result, error, results=results, errors=errors) -> None:
+            (results if error is None else errors)[job.request.id] = result if error is None else error
+
+        PassRunner(ctx, ResidentWeights(ctx.layers), max_active, done, batch_branches=batched).run(rows)
+        assert errors == {} and fp8.w8a8_calls > 0
+        outputs.append(results["chain"].latents)
+    assert all(torch.equal(latents, outputs[0]) for latents in outputs[1:])
 
 
 def test_batch_branches_forced_on(tiny_ckpt, requests_, reference, monkeypatch):
