@@ -48,8 +48,14 @@ def runtime_overhead_bytes(world_size: int, sp: int) -> int:
     return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES
 
 
+def decoded_frames(r: Request) -> int:
+    """Frames one decode of the request makes: a Transfer chain decodes chunk by chunk."""
+    transfer = getattr(r, "transfer", None)
+    return r.num_frames if transfer is None else transfer.chunk_frames
+
+
 def _largest(requests: list[Request]) -> Request:
-    return max(requests, key=lambda r: (r.width * r.height * r.num_frames, r.id))
+    return max(requests, key=lambda r: (r.width * r.height * decoded_frames(r), r.id))
 
 
 def decode_bytes(shape: ModelShape, requests: list[Request], tiled: bool, parts: int = 1) -> int:
@@ -59,7 +65,7 @@ def decode_bytes(shape: ModelShape, requests: list[Request], tiled: bool, parts:
         return 0
     big = _largest(requests)
     return decode_peak_bytes(
-        shape.vae_config_json, big.width, big.height, big.num_frames, shape.vae_dtype, tiled, parts
+        shape.vae_config_json, big.width, big.height, decoded_frames(big), shape.vae_dtype, tiled, parts
     )
 
 
@@ -71,8 +77,9 @@ def decode_seconds(
     if not shape.vae_config_json or not requests or tflops <= 0:
         return 0.0
     big = _largest(requests)
-    flops = decode_flops(shape.vae_config_json, big.width, big.height, big.num_frames, shape.vae_dtype, parts)
-    output = 3 * big.num_frames * big.width * big.height * shape.vae_dtype.itemsize
+    frames = decoded_frames(big)
+    flops = decode_flops(shape.vae_config_json, big.width, big.height, frames, shape.vae_dtype, parts)
+    output = 3 * frames * big.width * big.height * shape.vae_dtype.itemsize
     spatial = int(json.loads(shape.vae_config_json).get("scale_factor_spatial", 16))
     cut = cut_for(big.height // spatial, big.width // spatial, parts)
     gathered = output * (1 - cut.sizes[0] / sum(cut.sizes))

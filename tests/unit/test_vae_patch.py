@@ -409,3 +409,38 @@ def test_plan_shows_the_decode_time_and_memory_per_rank(tmp_path, tiny_ckpt):
     assert four["device_breakdown"]["vae_decode"] < one["device_breakdown"]["vae_decode"] / 2
     text = CliRunner().invoke(app, [*args, "--vae-patch-parallel-size", "4"]).output
     assert "VAE decode, largest output" in text and "at --vae-patch-parallel-size 4 (one rank:" in text
+
+
+def test_plan_sizes_a_transfer_chains_decode_by_its_chunk(tmp_path, tiny_ckpt):
+    """A Transfer chain decodes chunk by chunk: plan's decode memory and time are one chunk's (93 frames of
+    a 189-frame control here), what a 93-frame T2V decode needs, not the whole clip's."""
+    import shutil
+
+    import imageio
+    import numpy as np
+
+    from cosmos3_batch.plan.shapes import WAN22_VAE
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, root)
+    (root / "vae" / "config.json").write_text(json.dumps(WAN22_VAE))
+    imageio.mimwrite(tmp_path / "edge.mp4", [np.zeros((16, 16, 3), np.uint8)] * 189, fps=24)
+    chain = {
+        "id": "c",
+        "prompt": "x",
+        "size": "832x480",
+        "control": {"edge": "edge.mp4"},
+        "frames_per_chunk": 93,
+    }
+    rows = {"chain": chain, "chunk": {"id": "v", "prompt": "x", "size": "832x480", "num_frames": 93}}
+    docs = {}
+    for name, row in rows.items():
+        prompts = write_jsonl(tmp_path / f"{name}.jsonl", [row])
+        args = ["plan", str(prompts), "--model", str(root), "--max-vision-tokens", "200000", "--json"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        docs[name] = json.loads(result.output)
+    assert docs["chain"]["transfer"]["chunks"] == 3
+    assert docs["chain"]["estimate"]["decode_s"] == docs["chunk"]["estimate"]["decode_s"]
+    decode = [docs[name]["estimate"]["device_breakdown"]["vae_decode"] for name in rows]
+    assert decode[0] == decode[1] > 0
