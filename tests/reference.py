@@ -142,6 +142,7 @@ def transfer_outputs(
         return original(self, components, state)
 
     out = {}
+    scheduler = pipe.scheduler
     decoders.Cosmos3TransferDecodeChunkStep.__call__ = recording
     try:
         for r in requests:
@@ -149,12 +150,18 @@ def transfer_outputs(
                 continue
             chunk_latents.clear()
             generator = torch.Generator("cpu").manual_seed(r.seed)
+            if r.flow_shift is not None:  # as DESIGN §7 defines the reference: its scheduler with that shift
+                pipe.update_components(
+                    scheduler=scheduler.from_config(scheduler.config, flow_shift=r.flow_shift)
+                )
             frames = pipe(
                 **transfer_kwargs(r, controls), generator=generator, output_type="np", output="videos"
             )
+            pipe.update_components(scheduler=scheduler)
             out[r.id] = (torch.cat(chunk_latents, dim=0), np.asarray(frames))
     finally:
         decoders.Cosmos3TransferDecodeChunkStep.__call__ = original
+        pipe.update_components(scheduler=scheduler)
     return out
 
 

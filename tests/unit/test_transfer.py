@@ -1,8 +1,8 @@
 """Transfer (DESIGN.md §17) through our pass loop against `Cosmos3OmniModularPipeline` with
 `Cosmos3OmniBlocks` called with `control_videos`: bit-exact on CPU in float32 (latents of every chunk and
 frames), one control and two at once, text and control guidance with intervals that switch branches mid-run,
-one-frame Transfer, chunk chains with conditional frames and a seeded first chunk, next to T2V requests, at
---max-active 1 and 4; the forwards the layers ran are what plan/branches.py says."""
+one-frame Transfer, a flow shift, chunk chains with conditional frames and a seeded first chunk, next to T2V
+requests, at --max-active 1 and 4; the forwards the layers ran are what plan/branches.py says."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ CASES = [
      "guidance_scale": 4.0, "control_guidance": 2.0, "guidance_interval": [500, 1000],
      "control_guidance_interval": [0, 700], "seed": 2},
     {"id": "control-only", "prompt": "snow", "control": {"seg": "edge.mp4"}, "guidance_scale": 1.0,
-     "control_guidance": 1.5, "num_frames": 5, "seed": 3},
+     "control_guidance": 1.5, "num_frames": 5, "seed": 3, "flow_shift": 2.5},
     {"id": "still", "prompt": "a cube", "control": {"depth": "still.png"}, "seed": 4},
     # Chains: 17 frames in chunks of 9 overlapping by 1 -> 2 chunks; 25 frames by 2, seeded -> 4 chunks.
     {"id": "chain", "prompt": "night", "control": {"edge": "long.mp4"}, "num_frames": 17,
