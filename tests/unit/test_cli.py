@@ -238,6 +238,8 @@ def test_plan_balances_ranks_deterministically(tmp_path):
     assert "predicted idle share" in text and "7 valid requests on 3 rank(s)" in text
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}])
     assert invoke("plan", bad).exit_code == 2
+    negative = invoke("plan", prompts, "--chunk-gap-passes", "-1")
+    assert negative.exit_code == 2 and "--chunk-gap-passes must be >= 0, got -1" in negative.output
 
 
 def test_array_shards_share_one_out_folder(tmp_path, tiny_ckpt):
