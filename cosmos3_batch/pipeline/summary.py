@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,6 +98,7 @@ def build_summary(
             "dtype": cfg.dtype,
             "vae_dtype": cfg.vae_dtype,
             "max_batch_rows": cfg.max_batch_rows,
+            "prefill": dataclasses.asdict(cfg.prefill),  # with the requests, what `plan` replays exactly
             "cache": cache_record(cfg.cache),  # what SeaCacheConfig a comparison run takes
         },
         "versions": versions(),

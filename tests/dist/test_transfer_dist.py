@@ -160,6 +160,12 @@ def test_transfer_mixed_with_t2v_is_bit_exact_under_torchrun(setup, tiny_ckpt, c
         # plan's simulator: the same passes, UND passes, bytes and occupancy as the run (chains included).
         summary = json.loads((out / "summary.json").read_text())
         mode, max_active, gap = CONFIGS[name][1], int(CONFIGS[name][3]), int(CONFIGS[name][5])
+        assert summary["config"]["prefill"] == {
+            "free_share": 0.25,
+            "max_wait": 2,
+            "lookahead": 3,
+            "chunk_gap": gap,
+        }
         assert_simulated(summary, prompts, tiny_ckpt, mode, max_active, PrefillRule(chunk_gap=gap), sp)
         if sp == 2:  # the group split what the cut splits: every encode of a first chunk, every last decode
             assert [(r["vae_split_encodes"], r["vae_split_decodes"]) for r in ranks] == [
