@@ -29,7 +29,7 @@ MODULE_SECONDS = {
     # rerun): 163 s here while another suite ran beside it, where the 2-rank stall alone took 103 s (87 s on
     # its own): scaled alike.
     "tests/dist/test_stall.py": 140,
-    "tests/dist/test_metrics.py": 25,
+    "tests/dist/test_metrics.py": 35,
     "tests/unit/test_bench_smoke.py": 110,
     "tests/dist/test_sp.py": 150,
     "tests/dist/test_memory.py": 120,
@@ -41,7 +41,7 @@ MODULE_SECONDS = {
     "tests/dist/test_demo_model.py": 140,
     "tests/dist/test_launcher.py": 45,
     "tests/dist/test_checkpoints.py": 70,
-    "tests/dist/test_transfer_dist.py": 115,  # 4 jobs in one world-2 launch, measured on 2 shared cores
+    "tests/dist/test_transfer_dist.py": 130,  # 6 jobs in one world-2 launch, measured on 2 shared cores
     "tests/unit/test_distilled.py": 20,
     "tests/unit/test_edge.py": 16,
     "tests/unit/test_faults.py": 35,
@@ -54,7 +54,8 @@ MODULE_SECONDS = {
     "tests/unit/test_datasets.py": 25,
     "tests/unit/test_transfer_derived.py": 40,  # a derived-control run and its modular reference
     "tests/unit/test_transfer_outputs.py": 30,  # a files and a webdataset run
-    "tests/unit/test_transfer_variants.py": 20,  # 8 runs and their references, 18 s alone on 2 cores
+    "tests/unit/test_transfer_variants.py": 30,  # 11 runs and their references, 26 s alone on 2 cores
+    "tests/unit/test_transfer_boundary.py": 40,  # 8 runs of a 3-chunk chain, 37 s alone on 2 cores
 }
 
 
