@@ -212,7 +212,7 @@ class PassRunner:
             skip = not und and world.active > 0 and world.computing == 0
             if not skip:  # start fetching the first part now: the transfer overlaps the embedding
                 self.weights.begin_pass(und)
-            active = self._guarded(active, "begin_step")
+            active = self._begin(active)
             self._pass(active, und, prefill, skip)
             slots.ready.extend(self._drop_failed(prefill))
             # The pass may have read changed bytes: its steps are taken (an --sp group's collectives stay
@@ -297,13 +297,11 @@ class PassRunner:
                 ok.append(job)
         return ok
 
-    def _guarded(self, active: list[RequestJob], method: str) -> list[RequestJob]:
-        """Call `method` on each job; one that raises fails alone (under --sp it ends the job: the group's
-        all-to-alls must carry the same requests)."""
+    def _begin(self, active: list[RequestJob]) -> list[RequestJob]:
         ok = []
         for job in active:
             try:
-                getattr(job, method)()
+                job.begin_step()
             except Exception as exc:
                 if self.sp is not None:
                     raise

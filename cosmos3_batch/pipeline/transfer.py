@@ -175,11 +175,7 @@ class TransferJob(RequestJob):
         wanted = {name for step in self.plan for name in step.names}
         return {
             name: pack(self.ctx, self.sp, self.request.fps, self.texts[text], state, full)
-            for name, text, full in (
-                (COND, COND, True),
-                (COND_NO_CONTROL, COND, False),
-                (UNCOND, UNCOND, True),
-            )
+            for name, text, full in BRANCHES
             if name in wanted
         }
 

@@ -79,16 +79,16 @@ class VaeTeam:
     def share(self, latents: torch.Tensor) -> torch.Tensor:
         """The writer's latents on every member (the decode's first collective)."""
         self.check()
-        return self._guard(lambda: self.decoding.broadcast(latents.contiguous().clone(), 0))
+        return self.guarded(lambda: self.decoding.broadcast(latents.contiguous().clone(), 0))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor | None:
         """`vae.decode(z).sample` on the writer (None on the other members)."""
         self.check()
-        cut = self._guard(lambda: self._cut(self.decoding, z.shape[-2:], z.device))
+        cut = self.guarded(lambda: self._cut(self.decoding, z.shape[-2:], z.device))
         if len(cut.sizes) == 1:  # too small to split: the writer decodes it whole, as without the flag (no
             # message follows: an error fails this request alone)
             return self.vae.decode(z).sample if self.decoding.index == 0 else None
-        return self._guard(lambda: self._decode(z, cut))
+        return self.guarded(lambda: self._decode(z, cut))
 
     def _decode(self, z: torch.Tensor, cut: Shard) -> torch.Tensor | None:
         group = self.decoding
@@ -116,14 +116,14 @@ class VaeTeam:
         self.check()
         spatial = int(self.vae.config.scale_factor_spatial)
         latent_hw = (x.shape[3] // spatial, x.shape[4] // spatial)
-        cut = self._guard(lambda: self._cut(group, latent_hw, x.device))
+        cut = self.guarded(lambda: self._cut(group, latent_hw, x.device))
         loop = group is self.encoding  # else the finisher thread's decode team: counts of its own
         if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag (no message follows: an
             # error fails this request alone, so its messages are done here)
             self.encodes += int(loop)
             h = type(whole_vae)._encode(whole_vae, x)
         else:
-            h = self._guard(lambda: self._encode(group, x, cut, spatial))
+            h = self.guarded(lambda: self._encode(group, x, cut, spatial))
             self.encodes += int(loop)
             if loop:
                 self.split_encodes += 1
@@ -172,7 +172,7 @@ class VaeTeam:
             buffer = frames[:, :, -count:].contiguous()
         else:
             buffer = torch.empty((1, 3, count, *size), dtype=torch.float32, device=device)
-        return self._guard(lambda: self.decoding.broadcast(buffer, 0))
+        return self.guarded(lambda: self.decoding.broadcast(buffer, 0))
 
     # ---- both -------------------------------------------------------------------------------------
 
@@ -202,20 +202,12 @@ class VaeTeam:
             raise
 
     def guarded(self, step):
-        """`step()`, whose VAE walk takes the decode team's messages with work of this rank's own between
-        them (a Transfer chunk boundary): any error in it breaks the team, as one inside a walk does."""
+        """`step()`, a VAE walk over the team's messages (or several, with work of this rank's own between
+        them: a Transfer chunk boundary): any error in it breaks the team, so no later message is sent."""
         try:
             return step()
-        except GroupBroken:
+        except GroupBroken:  # an inner walk's: the team is broken already
             raise
-        except Exception as exc:
-            self.broken = f"a group VAE walk broke midway, failed on this rank: {type(exc).__name__}: {exc}"
-            log.error("%s; the job ends", self.broken)
-            raise GroupBroken(self.broken) from exc
-
-    def _guard(self, step):
-        try:
-            return step()
         except Exception as exc:
             if isinstance(exc, PeerLost):
                 what = f"a message failed: a peer rank died or stalled past --collective-timeout-s ({exc})"
