@@ -151,6 +151,17 @@ def cond_image(tmp_path_factory) -> Path:
     return path
 
 
+def moving_square(count: int, height: int = 32, width: int = 48, step: int = 1) -> list:
+    """`count` RGB frames (uint8) of a bright square moving right by `step` pixels a frame on black: an edge
+    map's kind of picture, the Transfer tests' control video."""
+    import numpy as np
+
+    frames = [np.zeros((height, width, 3), np.uint8) for _ in range(count)]
+    for i, frame in enumerate(frames):
+        frame[height // 4 : 5 * height // 8, step * i : step * i + width // 4] = 255
+    return frames
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -24,7 +24,7 @@ from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.plan.branches import texts_needed, transfer_plan
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.requests.parse import load_requests
-from tests.conftest import write_jsonl
+from tests.conftest import moving_square, write_jsonl
 from tests.dist.jobs import CAPTURE_FRAMES, torchrun_jobs
 from tests.dist.test_checkpoints import one_thread
 from tests.dist.test_runs import assert_simulated
@@ -70,9 +70,7 @@ CONFIGS = {
 def setup(tmp_path_factory, tiny_ckpt):
     folder = tmp_path_factory.mktemp("transfer-dist")
     rng = np.random.RandomState(0)
-    moving = [np.zeros((32, 48, 3), np.uint8) for _ in range(17)]
-    for i, frame in enumerate(moving):  # a bright square moving right
-        frame[8:20, i : i + 12] = 255
+    moving = moving_square(17)
     imageio.mimwrite(folder / "long.mp4", moving, fps=8)
     imageio.mimwrite(folder / "edge.mp4", moving[:9], fps=8)
     imageio.mimwrite(folder / "blur.mp4", [(rng.rand(32, 48, 3) * 255).astype(np.uint8)] * 9, fps=8)

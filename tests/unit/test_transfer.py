@@ -14,7 +14,7 @@ from PIL import Image
 
 from cosmos3_batch.plan.branches import transfer_plan
 from cosmos3_batch.requests.parse import load_requests
-from tests.conftest import write_jsonl
+from tests.conftest import moving_square, write_jsonl
 from tests.reference import reference_kwargs, transfer_outputs, transfer_reference
 from tests.unit.test_fidelity import run_ours
 
@@ -45,9 +45,7 @@ PLAIN = [{"id": "t2v", "prompt": "a cat walks", **BASE, "num_frames": 9, "seed":
 def requests_(tmp_path_factory):
     folder = tmp_path_factory.mktemp("transfer")
     rng = np.random.RandomState(0)
-    moving = [np.zeros((32, 48, 3), np.uint8) for _ in range(25)]
-    for i, frame in enumerate(moving):  # a bright square moving right: an edge map's kind of picture
-        frame[8:20, i : i + 12] = 255
+    moving = moving_square(25)
     imageio.mimwrite(folder / "long.mp4", moving, fps=8)
     imageio.mimwrite(folder / "edge.mp4", moving[:9], fps=8)
     imageio.mimwrite(folder / "blur.mp4", [(rng.rand(40, 56, 3) * 255).astype(np.uint8)] * 9, fps=8)

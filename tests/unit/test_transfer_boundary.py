@@ -20,7 +20,7 @@ from cosmos3_batch.plan.branches import sim_request
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.simulator import simulate
 from cosmos3_batch.requests.parse import load_requests
-from tests.conftest import write_jsonl
+from tests.conftest import moving_square, write_jsonl
 
 STEPS = 2
 # 25 frames in chunks of 9 overlapping by 1: 3 chunks, 2 boundaries.
@@ -33,9 +33,7 @@ T2V = {"id": "t2v", "prompt": "a cat", "num_frames": 1, "size": "32x32", "num_in
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("boundary")
-    moving = [np.zeros((32, 48, 3), np.uint8) for _ in range(25)]
-    for i, frame in enumerate(moving):
-        frame[8:20, i : i + 12] = 255
+    moving = moving_square(25)
     imageio.mimwrite(folder / "long.mp4", moving, fps=8)
     return folder
 

@@ -9,11 +9,10 @@ import json
 import tarfile
 
 import imageio
-import numpy as np
 import pytest
 from safetensors.torch import load, load_file
 
-from tests.conftest import write_jsonl
+from tests.conftest import moving_square, write_jsonl
 from tests.unit.test_datasets import run, tars
 
 ROWS = [
@@ -26,10 +25,7 @@ ROWS = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_ckpt):
     folder = tmp_path_factory.mktemp("transfer-outputs")
-    frames = [np.zeros((32, 48, 3), np.uint8) for _ in range(9)]
-    for i, frame in enumerate(frames):
-        frame[8:20, 2 * i : 2 * i + 12] = 255
-    imageio.mimwrite(folder / "edge.mp4", frames, fps=8)
+    imageio.mimwrite(folder / "edge.mp4", moving_square(9, step=2), fps=8)
     prompts = write_jsonl(
         folder / "p.jsonl", [{**row, "size": "48x32", "num_inference_steps": 2} for row in ROWS]
     )

@@ -37,7 +37,7 @@ from cosmos3_batch.pipeline.runner import PassRunner
 from cosmos3_batch.pipeline.weights import ResidentWeights
 from cosmos3_batch.plan.branches import COND, COND_NO_CONTROL, UNCOND, transfer_plan
 from cosmos3_batch.requests.parse import Request, load_requests
-from tests.conftest import write_jsonl
+from tests.conftest import moving_square, write_jsonl
 from tests.fp8_reference import patch_w8a16
 from tests.reference import reference_kwargs, transfer_outputs, transfer_reference
 
@@ -62,9 +62,7 @@ Outputs = dict[str, tuple[torch.Tensor, np.ndarray | None]]
 def requests_(tmp_path_factory, cond_image: Path) -> dict[str, Request]:
     folder = tmp_path_factory.mktemp("transfer-variants")
     rng = np.random.RandomState(0)
-    moving = [np.zeros((64, 96, 3), np.uint8) for _ in range(17)]
-    for i, frame in enumerate(moving):  # a bright square moving right: an edge map's kind of picture
-        frame[16:40, 4 * i : 4 * i + 24] = 255
+    moving = moving_square(17, 64, 96, step=4)
     imageio.mimwrite(folder / "long.mp4", moving, fps=8)
     imageio.mimwrite(folder / "edge.mp4", moving[:9], fps=8)
     # Not the output size on purpose: the reference's preprocessing resizes it, and so must ours.
