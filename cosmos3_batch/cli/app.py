@@ -188,7 +188,7 @@ def run(
     with the same code (a rank that stalled or died excepted)."""
     from cosmos3_batch.config import ConfigError, make_config
     from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0
-    from cosmos3_batch.pipeline.job import run_job
+    from cosmos3_batch.pipeline.job.run import run_job
 
     _setup_logging()
     try:

@@ -24,7 +24,7 @@ class EncoderError(RuntimeError):
 class EncoderInterrupted(EncoderError):
     """ffmpeg was ended by a signal: not its frames' fault. A terminal's Ctrl-C can still reach it in the
     moment between its fork and its own session (and anyone may signal it): during a stop the request is
-    interrupted, not failed (pipeline/results.py)."""
+    interrupted, not failed (pipeline/finish/results.py)."""
 
 
 def run_ffmpeg(args: list[str], what: str, stdin: bytes | memoryview | None = None) -> None:

@@ -23,7 +23,7 @@ from cosmos3_batch.requests.parse import shard_index
 
 STATES = ("done", "failed", "interrupted", "pending")
 WINDOW_S = 3600.0
-# summary.json, or summary.shardIofN.json per array task (pipeline/summary.py summary_name); not a sidecar:
+# summary.json, or summary.shardIofN.json per array task (pipeline/job/summary.py); not a sidecar:
 # a request may be called "summary2", never "summary" (requests/fields.py RESERVED_IDS).
 SUMMARY = re.compile(r"summary(\.shard\d+of\d+)?\.json")
 

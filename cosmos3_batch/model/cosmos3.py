@@ -91,7 +91,7 @@ class Cosmos3Split:
         self.config = transformer.config
         self.num_layers = self.config.num_hidden_layers
         # FP8 checkpoints (model/fp8.py): which math the linears run, chosen per request by the caller
-        # (pipeline/apply.py), since requests sharing a pass may be at different steps; None otherwise.
+        # (pipeline/passes/apply.py), since requests sharing a pass may be at different steps; None otherwise.
         self.fp8 = getattr(transformer, "fp8_compute", None)
 
     @property

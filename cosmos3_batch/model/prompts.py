@@ -46,7 +46,7 @@ def build_helper(checkpoint: Checkpoint, tokenizer, transformer=None, vae=None, 
         transformer=transformer,
         text_tokenizer=tokenizer,
         vae=vae,
-        # The helper never steps (pipeline/samplers.py does); its scheduler is the declared class anyway.
+        # It never steps (pipeline/kinds/samplers.py does); its scheduler is the declared class anyway.
         scheduler=scheduler_class.from_config(checkpoint.config("scheduler")),
         enable_safety_checker=False,  # guardrail requests are rejected up front (no safety models offline)
         default_use_system_prompt=checkpoint.default_use_system_prompt,

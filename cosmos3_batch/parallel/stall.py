@@ -10,7 +10,7 @@ in are the ones named. The first survivor to decide speaks for all (a compare-an
 line, no traceback. Nothing here runs per pass: the store is touched only after a collective failed.
 
 Where the job was comes from `Place`, which the pass loop keeps up to date for free: its trace already
-notes every collective it is about to issue (pipeline/runner.py PassSync.note).
+notes every collective it is about to issue (pipeline/passes/runner.py PassSync.note).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ _MARKERS = {
     STALLED: ("timed out", "timeout", "monitoredbarrier"),
     DIED: ("connection closed", "connection reset", "broken pipe", "remote process exited", "aborted"),
 }
-_PHASES = {  # the trace's event prefixes (pipeline/runner.py, parallel/seq_group.py, parallel/vae_group.py)
+# The trace's event prefixes (pipeline/passes/runner.py, parallel/seq_group.py, parallel/vae_group.py).
+_PHASES = {
     "all_reduce": "the per-pass exchange",
     "all_to_all": "an --sp all-to-all",
     "max": "an --sp agreement",
@@ -62,7 +63,7 @@ class Place:
     timeout_flag: str = "--collective-timeout-s"
     passes: int = 0  # per-pass exchanges issued so far (exchange k opens pass k - 1, counted from 0)
     event: str = ""  # the last collective noted in the pass trace
-    vae: bool = False  # a VAE group walk broke (pipeline/vae_team.py): the decode's or an encode's messages
+    vae: bool = False  # a VAE group walk broke (pipeline/finish/vae_team.py): a decode's or encode's messages
 
     def enter(self, stage: str, timeout_s: float | None = None, flag: str | None = None) -> None:
         self.stage = stage

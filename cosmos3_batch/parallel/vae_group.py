@@ -37,6 +37,11 @@ from cosmos3_batch.parallel.stall import phase
 from cosmos3_batch.parallel.waiting import WaitMark, peers
 
 
+class GroupBroken(RuntimeError):
+    """The group's decodes or encodes can no longer be kept in step: the job must end
+    (pipeline/finish/vae_team.py says when). Its message says what failed, on this rank."""
+
+
 class PeerLost(RuntimeError):
     """A message of the group could not be sent or received: a peer rank died or stalled."""
 

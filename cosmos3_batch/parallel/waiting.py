@@ -1,4 +1,4 @@
-"""What a thread of this rank is blocked on, for rank 0's live warning (pipeline/monitor.py, DESIGN.md §20).
+"""What a thread of this rank is blocked on, for rank 0's live warning (passes/monitor.py, DESIGN.md §20).
 
 A wait that a stalled peer can make endless (the per-pass exchange, the compute thread's wait for a layer
 part whose gather runs on the fetch worker, an `--sp` all-to-all or agreement, a VAE group message) is

@@ -1,7 +1,7 @@
 """Device memory of one VAE decode, from the VAE's own code run on the meta device (no weights, no math).
 
 The finisher decodes one request at a time, on the device the pass loop computes on, on a stream of its
-own (pipeline/finisher.py): its peak adds to the pass loop's, and the caching allocator keeps what the
+own (pipeline/finish/finisher.py): its peak adds to the pass loop's, and the caching allocator keeps what the
 decode stream freed for that stream. What the peak is made of depends on the decoder (Wan's causal
 convolutions keep CACHE_T frames of every convolution's input across the latent frames; the largest
 feature maps live at half the output resolution; the decoded frames accumulate by `torch.cat`), so

@@ -32,9 +32,10 @@ class PrefillRule:
     free_share: float = 0.25  # call a UND pass when this share of the world's slots is starved ...
     max_wait: int = 2  # ... or a starved slot has waited this many passes
     lookahead: int = 3  # requests per rank prefilled ahead of a free slot (their UND K/V held)
-    # Passes a Transfer chain sits out at each chunk boundary (pipeline/transfer.py) while the finisher
-    # thread decodes its chunk and encodes the next one beside the other requests' passes; its slot stays
-    # its own. A fixed count, not "when ready", so that every rank (and the simulator) knows the schedule.
+    # Passes a Transfer chain sits out at each chunk boundary (pipeline/kinds/transfer/chain.py) while the
+    # finisher thread decodes its chunk and encodes the next one beside the other requests' passes; its slot
+    # stays its own. A fixed count, not "when ready", so that every rank (and the simulator) knows the
+    # schedule.
     chunk_gap: int = 2
 
     def __post_init__(self) -> None:

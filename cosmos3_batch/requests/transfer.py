@@ -29,8 +29,9 @@ from cosmos3_batch.requests.modes import count_frames, resolve_path
 HINTS = ("edge", "blur", "depth", "seg", "wsm")  # the reference's canonical order (its hint_order)
 DERIVED = {"edge": "Canny edges", "blur": "a bilateral-filtered blur"}  # "auto": computed from `video`
 # NVIDIA's Transfer inference presets ("medium", its CLI's default) for the derived controls, as
-# pipeline/controls.py applies them and the sidecar records them: cosmos-transfer2.5's AddControlInputEdge
-# (Canny thresholds) and AddControlInputBlur (its bilateral filter config and down/up factors).
+# pipeline/kinds/transfer/controls.py applies them and the sidecar records them: cosmos-transfer2.5's
+# AddControlInputEdge (Canny thresholds) and AddControlInputBlur (its bilateral filter config and down/up
+# factors).
 DERIVED_PARAMS = {
     "edge": {"operator": "cv2.Canny", "preset": "medium", "threshold1": 100, "threshold2": 200},
     "blur": {"operator": "cv2.bilateralFilter", "preset": "medium", "downsize": 2, "d": 30,

@@ -24,7 +24,7 @@ import torch
 from cosmos3_batch.model.batched import gen_layer_batched, row_groups, und_layer_batched
 from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.kinds.context import load_context
 
 WIDE = TinySpec(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1536)
 

@@ -21,7 +21,7 @@ def main() -> None:
     from cosmos3_batch.model.loading import load_transformer
     from cosmos3_batch.model.tiny import ensure_default_tiny
     from cosmos3_batch.parallel.world import World
-    from cosmos3_batch.pipeline.weights import build_weights
+    from cosmos3_batch.pipeline.passes.weights import build_weights
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

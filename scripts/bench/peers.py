@@ -220,9 +220,9 @@ def _run_peer(args: argparse.Namespace) -> None:
 
     from cosmos3_batch.config import RunConfig
     from cosmos3_batch.io import outputs
-    from cosmos3_batch.pipeline.context import load_context
-    from cosmos3_batch.pipeline.job import plan_run
-    from cosmos3_batch.pipeline.runner import PassRunner, PassSync
+    from cosmos3_batch.pipeline.job.run import plan_run
+    from cosmos3_batch.pipeline.kinds.context import load_context
+    from cosmos3_batch.pipeline.passes.runner import PassRunner, PassSync
     from cosmos3_batch.plan.schedule import assign
 
     started = time.time()

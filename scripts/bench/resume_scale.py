@@ -61,9 +61,9 @@ def fill(out: Path, prompts: Path, fmt: str, layout: str, model: Path) -> tuple[
     from cosmos3_batch.config import make_config
     from cosmos3_batch.io.dataset import Dataset, write_record
     from cosmos3_batch.io.metrics import MetricsWriter, state_dir
-    from cosmos3_batch.pipeline.denoise import Result
-    from cosmos3_batch.pipeline.dtypes import compute_tag
-    from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
+    from cosmos3_batch.pipeline.finish.results import ResultWriter, shard_writer
+    from cosmos3_batch.pipeline.job.dtypes import compute_tag
+    from cosmos3_batch.pipeline.kinds.denoise import Result
     from cosmos3_batch.requests.parse import load_requests
 
     flags = {"format": fmt, **({"layout": layout} if fmt == "files" else {"shard_size": "1GB"})}

@@ -50,7 +50,7 @@ def engine_weights(mode: str, layers, root: Path, count: int, device, shape: Lay
     from cosmos3_batch.checkpoint.reader import TensorStore
     from cosmos3_batch.engine.transport import OffloadMode
     from cosmos3_batch.parallel.world import World
-    from cosmos3_batch.pipeline.weights import build_weights
+    from cosmos3_batch.pipeline.passes.weights import build_weights
 
     if mode != "resident":  # the engine re-points every parameter of these at its device slots
         layers = torch.nn.ModuleList(build_layer(shape) for _ in range(count))

@@ -143,7 +143,7 @@ def sync_section(device: str, tmp: Path) -> str:
     import torch
 
     from cosmos3_batch.cli import app
-    from cosmos3_batch.pipeline.runner import PassRunner
+    from cosmos3_batch.pipeline.passes.runner import PassRunner
 
     counter = SyncCounter()
     counter.wrap(PassRunner, "_admit", "admission (per request, not per pass)")

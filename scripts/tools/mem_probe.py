@@ -69,7 +69,7 @@ def main() -> None:
     from cosmos3_batch.engine.transport import OffloadMode
     from cosmos3_batch.model.loading import build_transformer_on_meta, load_transformer
     from cosmos3_batch.parallel.world import init_world, teardown
-    from cosmos3_batch.pipeline.weights import build_weights
+    from cosmos3_batch.pipeline.passes.weights import build_weights
 
     ckpt_dir, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
     world = init_world("cpu", 300)

@@ -60,7 +60,7 @@ def _frames_saved(folder: Path | None):
         return
     import numpy as np
 
-    from cosmos3_batch.pipeline.results import ResultWriter
+    from cosmos3_batch.pipeline.finish.results import ResultWriter
 
     write = ResultWriter.__call__
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.requests.parse import parse_lines
 
 ROWS = [
@@ -38,7 +38,7 @@ def run(ctx, batch: bool | None, fail: str | None = None) -> tuple[dict, int]:
 
         ctx.split.gen_layer = gen_layer
         if batch:
-            import cosmos3_batch.pipeline.apply as apply
+            import cosmos3_batch.pipeline.passes.apply as apply
 
             real = apply.gen_layer_batched
 
@@ -82,7 +82,7 @@ def test_a_failing_request_in_a_batch_fails_alone(tiny_ckpt):
 
 
 def test_the_row_budget_bounds_every_batched_call(tiny_ckpt, monkeypatch):
-    import cosmos3_batch.pipeline.apply as apply
+    import cosmos3_batch.pipeline.passes.apply as apply
 
     ctx = load_context(tiny_ckpt, torch.device("cpu"))
     requests, _ = parse_lines([row.encode() for row in ROWS])

@@ -25,7 +25,7 @@ from cosmos3_batch.model.batched import (
     und_layer_batched,
 )
 from cosmos3_batch.model.cosmos3 import BranchSeq, Cosmos3Split
-from cosmos3_batch.pipeline.context import load_context
+from cosmos3_batch.pipeline.kinds.context import load_context
 
 pytestmark = pytest.mark.exact  # run twice by scripts/test.sh: the second time under a lower ISA
 

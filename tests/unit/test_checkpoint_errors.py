@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.pipeline import job
+from cosmos3_batch.pipeline.job.run import run as job
 from tests.conftest import write_jsonl
 
 REQUEST = {"id": "img", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}

@@ -243,7 +243,7 @@ def test_lost_metrics_rows_are_recovered_naming_the_media(runs, tmp_path):
     from cosmos3_batch.config import RunConfig
     from cosmos3_batch.io import dataset
     from cosmos3_batch.io.metrics import MetricsWriter, read_part
-    from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
+    from cosmos3_batch.pipeline.finish.results import ResultWriter, shard_writer
     from cosmos3_batch.requests.parse import load_requests
 
     requests = load_requests(str(runs["prompts"]))[0]
@@ -284,7 +284,7 @@ class TwoRanks:
 
 def test_only_rank_0_reads_out_for_resume_and_the_others_take_its_split(runs, tiny_ckpt, tmp_path):
     from cosmos3_batch.config import make_config
-    from cosmos3_batch.pipeline import job
+    from cosmos3_batch.pipeline.job.run import run as job
 
     out = linked_copy(runs["shards"], tmp_path / "copy")
     more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])

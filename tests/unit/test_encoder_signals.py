@@ -1,7 +1,7 @@
 """A Ctrl-C in the terminal (SIGINT to the whole foreground process group) must not kill the encoder of the
 output the job is finishing as it stops: ffmpeg runs in a session of its own (io/ffmpeg.py). Where a signal
 reaches the encoder all the same (before its session exists, or sent to it), the request is interrupted when
-the job is stopping and failed otherwise (pipeline/results.py)."""
+the job is stopping and failed otherwise (pipeline/finish/results.py)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_an_encoder_killed_by_the_stopping_signal_interrupts_its_request_and_oth
 
     from cosmos3_batch.cli import app
     from cosmos3_batch.io import outputs
-    from cosmos3_batch.pipeline import results
+    from cosmos3_batch.pipeline.finish import results
     from tests.conftest import write_jsonl
 
     prompts = write_jsonl(tmp_path / "v.jsonl", VIDEOS)

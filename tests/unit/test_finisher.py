@@ -7,11 +7,11 @@ import threading
 
 import torch
 
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.denoise import RequestJob
-from cosmos3_batch.pipeline.finisher import Finisher
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.finish.finisher import Finisher
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.kinds.denoise import RequestJob
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.requests.parse import parse_lines
 

@@ -19,10 +19,10 @@ from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.fp8 import Fp8Linear
 from cosmos3_batch.model.loading import decoder_linear_weights
-from cosmos3_batch.pipeline import job
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.job.run import run as job
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.fp8_reference import reference_latents

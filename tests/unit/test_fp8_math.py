@@ -123,7 +123,7 @@ def test_w8a8_math_and_dispatch_on_cpu() -> None:
 def test_applier_gives_each_request_its_steps_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests sharing a pass are at different steps; batched or not, each runs its own step's math and a
     batched group never mixes W8A16 and W8A8 requests (a group is one GEMM per projection)."""
-    import cosmos3_batch.pipeline.apply as apply
+    import cosmos3_batch.pipeline.passes.apply as apply
     from cosmos3_batch.model.cosmos3 import GEN
 
     compute = Fp8Compute(mode="checkpoint", first_steps=1, last_steps=1, w8a8_available=True)

@@ -9,9 +9,9 @@ import torch
 from cosmos3_batch.checkpoint.convert import convert_fp8
 from cosmos3_batch.model.fp8 import Fp8Compute, Fp8Linear, w8a8_linear
 from cosmos3_batch.model.loading import decoder_linear_weights
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.requests.parse import parse_lines
 from tests.unit.test_fp8_fidelity import _modelopt_checkpoint
 

@@ -17,7 +17,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.pipeline import job
+from cosmos3_batch.pipeline.job.run import run as job
 from tests.unit.test_faults import tmpfs
 
 CLIP = Path(__file__).resolve().parents[2] / "examples" / "clip.mp4"

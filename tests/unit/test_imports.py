@@ -36,6 +36,12 @@ FORBIDDEN = [
     ("cosmos3_batch.plan.prefill", "torch"),
     ("cosmos3_batch.requests", "torch"),
 ]
+# Inside a wing, its rooms (subpackages) in the same top-to-bottom order; "" stands for the modules that sit
+# directly in the package. A module may import its own room and the rooms below it, never one above.
+ROOMS = {
+    "cosmos3_batch.pipeline": [{"job"}, {"passes"}, {"finish"}, {"kinds"}],
+    "cosmos3_batch.pipeline.kinds": [{"transfer"}, {""}, {"step_cache"}],
+}
 MAX_LINES = 400
 
 
@@ -111,6 +117,49 @@ def test_wings_import_downwards_only():
         if wing(a) != wing(b) and wing(a) != "cosmos3_batch" and level[wing(a)] >= level[wing(b)]
     )
     assert wrong == []
+
+
+def room(module: str, package: str) -> str | None:
+    """The room of `package` that `module` lives in ("" for a module directly in it), None if outside it."""
+    if not module.startswith(package + "."):
+        return None
+    rest = module[len(package) + 1 :].split(".")
+    return rest[0] if len(rest) > 1 or rest[0] in {r for row in ROOMS[package] for r in row} else ""
+
+
+def upward_room_imports(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for package, rows in ROOMS.items():
+        level = {r: i for i, row in enumerate(rows) for r in row}
+        for a, targets in graph.items():
+            for b in targets:
+                ra, rb = room(a, package), room(b, package)
+                if ra is None or rb is None or ra == rb:
+                    continue
+                assert ra in level and rb in level, f"{package}: rooms missing from ROOMS: {ra!r}, {rb!r}"
+                if level[ra] >= level[rb]:
+                    above, below = ra or "(flat)", rb or "(flat)"
+                    wrong.append(f"{a} -> {b} ({package}: room {above} may not import {below})")
+    return sorted(wrong)
+
+
+def test_rooms_import_downwards_only():
+    assert upward_room_imports(GRAPH) == []
+
+
+def test_the_room_checker_sees_an_upward_import():
+    # Guards against a checker that passes everything: a known edge, then the same edge turned upward.
+    runner, results = "cosmos3_batch.pipeline.passes.runner", "cosmos3_batch.pipeline.finish.results"
+    assert room(runner, "cosmos3_batch.pipeline") == "passes"
+    assert room("cosmos3_batch.pipeline.kinds.denoise", "cosmos3_batch.pipeline.kinds") == ""
+    assert upward_room_imports({runner: {results}}) == []
+    assert upward_room_imports({results: {runner}}) == [
+        f"{results} -> {runner} (cosmos3_batch.pipeline: room finish may not import passes)"
+    ]
+    flat, chain = "cosmos3_batch.pipeline.kinds.denoise", "cosmos3_batch.pipeline.kinds.transfer.chain"
+    assert upward_room_imports({flat: {chain}}) == [
+        f"{flat} -> {chain} (cosmos3_batch.pipeline.kinds: room (flat) may not import transfer)"
+    ]
 
 
 def test_the_package_face_imports_nothing_of_ours():

@@ -13,8 +13,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from cosmos3_batch.parallel.exit_codes import after_rank_0
 from cosmos3_batch.parallel.launch import oom_kills, outcome
-from cosmos3_batch.pipeline.ending import first_stop
-from cosmos3_batch.pipeline.stop import JobFault, StopRequest
+from cosmos3_batch.parallel.stop import JobFault, StopRequest
+from cosmos3_batch.pipeline.job.ending import first_stop
 
 
 def failure(tmp_path, rank: int, exitcode: int, crash: str | None = None) -> ProcessFailure:

@@ -1,4 +1,4 @@
-"""Rank 0's monitor (pipeline/monitor.py): a rank that came late to an exchange by more than half the
+"""Rank 0's monitor (pipeline/passes/monitor.py): a rank that came late to an exchange by more than half the
 collective timeout is named once per episode; rank 0 waiting that long (in an exchange, for a layer part's
 gather, in an --sp all-to-all, for a VAE group message) is said while it waits, once per wait, naming the
 wait; the figures it writes parse back with prometheus_client's parser."""
@@ -19,10 +19,10 @@ from cosmos3_batch.parallel import seq_group
 from cosmos3_batch.parallel.seq_group import SeqGroup
 from cosmos3_batch.parallel.vae_group import PatchGroup
 from cosmos3_batch.parallel.waiting import WaitMark
-from cosmos3_batch.pipeline import exchange
-from cosmos3_batch.pipeline.exchange import Exchanged, PassSync
-from cosmos3_batch.pipeline.monitor import JobMonitor
-from cosmos3_batch.pipeline.weights import OffloadedWeights
+from cosmos3_batch.pipeline.passes import exchange
+from cosmos3_batch.pipeline.passes.exchange import Exchanged, PassSync
+from cosmos3_batch.pipeline.passes.monitor import JobMonitor
+from cosmos3_batch.pipeline.passes.weights import OffloadedWeights
 from cosmos3_batch.plan.prefill import SlotReport
 
 

@@ -16,8 +16,8 @@ from cosmos3_batch.cli import app
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.loading import transformer_rule
 from cosmos3_batch.parallel.world import World
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.weights import build_weights
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.passes.weights import build_weights
 from cosmos3_batch.plan import planner
 from cosmos3_batch.plan.shapes import NANO_TRANSFORMER, WAN22_VAE
 from cosmos3_batch.requests.parse import parse_lines

@@ -1,4 +1,4 @@
-"""The distilled sampler (pipeline/samplers.py): diffusers' stochastic Euler step bit for bit, its noise drawn
+"""The distilled sampler (kinds/samplers.py): diffusers' stochastic Euler step bit for bit, its noise drawn
 from the request's generator in the reference's order, the conditioned frames re-anchored, and no step that
 waits for the device (counted on the meta device, as tests/unit/test_sync_free.py counts UniPC's)."""
 
@@ -11,7 +11,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from cosmos3_batch.model.tiny_kinds import TINY_DISTILLED_SIGMAS, distilled_scheduler_config
-from cosmos3_batch.pipeline.samplers import DistilledSampler
+from cosmos3_batch.pipeline.kinds.samplers import DistilledSampler
 from tests.unit.test_sync_free import Waits
 
 SHAPE = (1, 16, 3, 4, 4)  # [1, C, T, H, W]: a request's latents

@@ -18,14 +18,14 @@ from diffusers.hooks import sea_cache as diffusers_sea
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.pipeline import sea_gate
-from cosmos3_batch.pipeline.sea_filter import device_indicator
+from cosmos3_batch.pipeline.kinds.step_cache import gate as sea_gate
+from cosmos3_batch.pipeline.kinds.step_cache.indicator import device_indicator
 from cosmos3_batch.plan.cache import SeaSettings, parse_cache
 from tests.conftest import write_jsonl
 from tests.unit.test_sea_fidelity import CLIP
 
-# What pipeline/sea_gate.py, sea_filter.py and step_cache.py mirror or call. A change in diffusers fails here:
-# re-read the new source, update the mirror, then these digests.
+# What pipeline/kinds/step_cache/ (gate.py, indicator.py, cache.py) mirrors or calls. A change in diffusers
+# fails here: re-read the new source, update the mirror, then these digests.
 PINNED = {
     "SeaCacheSharedState.resolve_gate": "459924b8c3b03e05",
     "SeaCacheRootHook.prepare_decoder_stack": "dd86ee2ef4b6f75f",

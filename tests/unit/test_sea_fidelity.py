@@ -11,9 +11,9 @@ import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.plan.cache import SeaSettings
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl

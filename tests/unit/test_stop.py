@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from cosmos3_batch.pipeline import stop as stop_module
-from cosmos3_batch.pipeline.stop import StopRequest
+from cosmos3_batch.parallel import stop as stop_module
+from cosmos3_batch.parallel.stop import StopRequest
 
 
 class Exited(Exception):

@@ -1,4 +1,4 @@
-"""The scheduler steps wait for nothing on a device (pipeline/sync_free.py), and equal the reference's bits.
+"""The scheduler steps wait for nothing on a device (kinds/sync_free.py), and equal the reference's bits.
 
 On the meta device every op runs without data, so an op that would make the host wait for a GPU shows
 itself: a copy from the CPU, a scalar read (`.item()`), a data-dependent shape (`nonzero`), linalg's host
@@ -15,7 +15,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cosmos3_batch.pipeline import sync_free
+from cosmos3_batch.pipeline.kinds import sync_free
 
 WAITS = ("aten._local_scalar_dense", "aten.nonzero", "aten._linalg_check_errors")
 

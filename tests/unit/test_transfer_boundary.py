@@ -1,7 +1,8 @@
-"""A Transfer chain's chunk boundaries run off the pass loop (DESIGN.md §17, pipeline/transfer.py): the chain
-keeps its slot and computes nothing for exactly `--chunk-gap-passes` passes while the finisher thread decodes
-the chunk and encodes the next one; the other requests keep using those passes; the outputs do not depend on
-the gap; the passes are what plan's simulator counts; a boundary that fails fails its chain alone."""
+"""A Transfer chain's chunk boundaries run off the pass loop (DESIGN.md §17, kinds/transfer/chain.py): the
+chain keeps its slot and computes nothing for exactly `--chunk-gap-passes` passes while the finisher thread
+decodes the chunk and encodes the next one; the other requests keep using those passes; the outputs do not
+depend on the gap; the passes are what plan's simulator counts; a boundary that fails fails its chain
+alone."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from cosmos3_batch.pipeline import transfer_chunks
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.kinds.transfer import chunks as transfer_chunks
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.plan.branches import sim_request
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.simulator import simulate
@@ -142,7 +143,7 @@ def test_a_non_finite_chunk_fails_its_chain_at_the_boundary(ctx, folder, monkeyp
 
 def test_the_ranks_that_write_nothing_keep_no_pieces(ctx, folder):
     """An --sp group's other ranks cross every boundary too (they need the tail) but keep no piece."""
-    from cosmos3_batch.pipeline.transfer import TransferJob
+    from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob
 
     (chain,) = _requests(folder, [CHAIN])
     job = TransferJob(ctx, chain)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers.utils import load_video
 
-from cosmos3_batch.pipeline.controls import derive
+from cosmos3_batch.pipeline.kinds.transfer.controls import derive
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
 from tests.reference import transfer_outputs, transfer_reference
@@ -121,7 +121,7 @@ def test_the_sidecar_records_each_control_and_how_a_derived_one_was_made(folder)
     NVIDIA's preset parameters."""
     import hashlib
 
-    from cosmos3_batch.pipeline.controls import controls_record
+    from cosmos3_batch.pipeline.kinds.transfer.controls import controls_record
 
     imageio.mimwrite(folder / "depth.mp4", [np.full((32, 48, 3), 7 * i, np.uint8) for i in range(9)], fps=8)
     control = {"depth": "depth.mp4", "edge": "auto"}

@@ -30,11 +30,11 @@ from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.model.numerics import mkl_cnr_mode
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.pipeline import apply
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.denoise import Result
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.weights import ResidentWeights
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.kinds.denoise import Result
+from cosmos3_batch.pipeline.passes import apply
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.plan.branches import COND, COND_NO_CONTROL, UNCOND, transfer_plan
 from cosmos3_batch.requests.parse import Request, load_requests
 from tests.conftest import moving_square, write_jsonl

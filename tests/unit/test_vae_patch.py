@@ -31,9 +31,9 @@ from cosmos3_batch.model.vae_exact import (
 )
 from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
 from cosmos3_batch.model.vae_shards import plan_cut, shard_sizes
-from cosmos3_batch.parallel.vae_group import PatchGroup
-from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob
-from cosmos3_batch.pipeline.vae_team import GroupBroken, VaeTeam, agree_inputs
+from cosmos3_batch.parallel.vae_group import GroupBroken, PatchGroup
+from cosmos3_batch.pipeline.finish.vae_team import VaeTeam, agree_inputs
+from cosmos3_batch.pipeline.kinds.denoise import RequestFailed, RequestJob
 from tests.conftest import write_jsonl
 
 pytestmark = (

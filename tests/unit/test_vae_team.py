@@ -1,5 +1,5 @@
 """--vae-patch-parallel-size at admission, in one process: two threads over an in-process gloo group run the
-pass loop's own `_admit` with a real team (pipeline/vae_team.py) and `--sp` group. A request that fails on
+pass loop's own `_admit` with a real team (finish/vae_team.py) and `--sp` group. A request that fails on
 one rank before its group encode ends the job on both (else its peer waits in that encode, or pairs it with
 the next request's); one that fails after the encode's messages, that needs no encode, or whose unsplit
 encode fails, fails alone, on both; an admission with nothing to encode issues no input agreement; the
@@ -18,10 +18,11 @@ from diffusers import AutoencoderKLWan
 
 from cosmos3_batch.model.tiny import TinySpec, vae_config
 from cosmos3_batch.parallel.seq_group import SeqGroup, build_seq_group
-from cosmos3_batch.pipeline import runner as runner_module
-from cosmos3_batch.pipeline.drive import drive
-from cosmos3_batch.pipeline.runner import PassRunner
-from cosmos3_batch.pipeline.vae_team import GroupBroken, VaeTeam
+from cosmos3_batch.parallel.vae_group import GroupBroken
+from cosmos3_batch.pipeline.finish.vae_team import VaeTeam
+from cosmos3_batch.pipeline.job.drive import drive
+from cosmos3_batch.pipeline.passes import runner as runner_module
+from cosmos3_batch.pipeline.passes.runner import PassRunner
 from tests.unit.test_vae_patch import in_threads
 
 IMAGE = torch.rand(1, 3, 1, 128, 128, generator=torch.Generator().manual_seed(6)) * 2 - 1  # latent 8x8: 4+4

@@ -22,8 +22,8 @@ from cosmos3_batch.io.shard_index import (
     sample_complete,
 )
 from cosmos3_batch.parallel.world import World
-from cosmos3_batch.pipeline.job_plan import Plan
-from cosmos3_batch.pipeline.results import output_key
+from cosmos3_batch.pipeline.finish.results import output_key
+from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")

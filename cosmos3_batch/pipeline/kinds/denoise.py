@@ -19,10 +19,10 @@ from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
 from cosmos3_batch.model.prompts import tokenize
 from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.parallel.sequence import check_model, shard_rows
-from cosmos3_batch.pipeline.context import ModelContext
-from cosmos3_batch.pipeline.samplers import make_sampler
-from cosmos3_batch.pipeline.step_cache import StepCache, stack_output
-from cosmos3_batch.pipeline.streams import ExtraStream, action_latents, mask_velocities, sound_stream
+from cosmos3_batch.pipeline.kinds.context import ModelContext
+from cosmos3_batch.pipeline.kinds.samplers import make_sampler
+from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache, stack_output
+from cosmos3_batch.pipeline.kinds.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
     from cosmos3_batch.parallel.seq_group import SeqGroup
@@ -70,7 +70,7 @@ class RequestJob:
         self.weight_bytes = 0.0  # this request's share of the weight traffic of the passes it rode on
         self.stall_s = 0.0
         self.error: str | None = None  # set when a layer's compute failed for this request mid-pass
-        # --vae-patch-parallel-size: the request's files read ahead of `prepare` (pipeline/vae_team.py)
+        # --vae-patch-parallel-size: the request's files read ahead of `prepare` (pipeline/finish/vae_team.py)
         self.input_error: str | None = None
         self._inputs: tuple | None = None
         # Admission: where latency_s starts (and queue_s ends).
@@ -101,7 +101,7 @@ class RequestJob:
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 
-    # A Transfer chain (pipeline/transfer.py) hands work off the loop; a one-segment job does not.
+    # A Transfer chain (pipeline/kinds/transfer/chain.py) hands work off the loop; a one-segment job does not.
     rejoins = False  # this pass, before its gates, it takes back what it handed off
 
     def rejoin(self) -> None:

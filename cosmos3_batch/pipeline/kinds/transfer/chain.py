@@ -22,12 +22,12 @@ import torch
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.prompts import tokenize_transfer
-from cosmos3_batch.pipeline import transfer_chunks as chunks
-from cosmos3_batch.pipeline.controls import derive
-from cosmos3_batch.pipeline.denoise import RequestFailed, RequestJob, Result
-from cosmos3_batch.pipeline.samplers import UniPCSampler
-from cosmos3_batch.pipeline.transfer_pack import GenBranch, pack, text_branch
-from cosmos3_batch.pipeline.vae_team import GroupBroken
+from cosmos3_batch.parallel.vae_group import GroupBroken
+from cosmos3_batch.pipeline.kinds.denoise import RequestFailed, RequestJob, Result
+from cosmos3_batch.pipeline.kinds.samplers import UniPCSampler
+from cosmos3_batch.pipeline.kinds.transfer import chunks
+from cosmos3_batch.pipeline.kinds.transfer.controls import derive
+from cosmos3_batch.pipeline.kinds.transfer.pack import GenBranch, pack, text_branch
 from cosmos3_batch.plan.branches import (
     COND,
     COND_NO_CONTROL,

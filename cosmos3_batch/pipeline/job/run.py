@@ -32,21 +32,21 @@ from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0, exit_as_on
 from cosmos3_batch.parallel.seq_group import build_seq_group
 from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
 from cosmos3_batch.parallel.stall import Place, peer_failure, post_mortem
-from cosmos3_batch.parallel.vae_group import build_decode_group
+from cosmos3_batch.parallel.stop import StopRequest
+from cosmos3_batch.parallel.vae_group import GroupBroken, build_decode_group
 from cosmos3_batch.parallel.world import World, init_world, teardown
-from cosmos3_batch.pipeline.context import load_context
-from cosmos3_batch.pipeline.drive import Progress, drive
-from cosmos3_batch.pipeline.dtypes import check_dtypes, compute_tag
-from cosmos3_batch.pipeline.ending import Outcome, end_run
-from cosmos3_batch.pipeline.job_plan import Plan
-from cosmos3_batch.pipeline.monitor import final_counts, start_monitor
-from cosmos3_batch.pipeline.results import ResultWriter, shard_writer
-from cosmos3_batch.pipeline.resume import prepare_out, share_split, split_complete
-from cosmos3_batch.pipeline.runner import PassRunner, PassSync
-from cosmos3_batch.pipeline.stop import StopRequest
-from cosmos3_batch.pipeline.summary import preview, rank_report
-from cosmos3_batch.pipeline.vae_team import GroupBroken, build_team
-from cosmos3_batch.pipeline.weights import build_weights, weights_report
+from cosmos3_batch.pipeline.finish.results import ResultWriter, shard_writer
+from cosmos3_batch.pipeline.finish.vae_team import build_team
+from cosmos3_batch.pipeline.job.drive import Progress, drive
+from cosmos3_batch.pipeline.job.dtypes import check_dtypes, compute_tag
+from cosmos3_batch.pipeline.job.ending import Outcome, end_run
+from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
+from cosmos3_batch.pipeline.job.run_plan import Plan
+from cosmos3_batch.pipeline.job.summary import preview, rank_report
+from cosmos3_batch.pipeline.kinds.context import load_context
+from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
+from cosmos3_batch.pipeline.passes.runner import PassRunner, PassSync
+from cosmos3_batch.pipeline.passes.weights import build_weights, weights_report
 from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests

@@ -28,16 +28,17 @@ from cosmos3_batch.engine.transport import Counters
 from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
+from cosmos3_batch.parallel.stop import JobFault, StopRequest
+from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.parallel.waiting import WaitMark
-from cosmos3_batch.pipeline.apply import PartApplier
-from cosmos3_batch.pipeline.context import ModelContext
-from cosmos3_batch.pipeline.denoise import RequestJob, Result
-from cosmos3_batch.pipeline.exchange import Exchanged, Figures, PassSync
-from cosmos3_batch.pipeline.finisher import Finisher
-from cosmos3_batch.pipeline.step_cache import StepCache, gate_rank, tally
-from cosmos3_batch.pipeline.stop import JobFault, StopRequest
-from cosmos3_batch.pipeline.transfer import TransferJob, job_class, rejoin
-from cosmos3_batch.pipeline.vae_team import GroupBroken, agree_inputs
+from cosmos3_batch.pipeline.finish.finisher import Finisher
+from cosmos3_batch.pipeline.finish.vae_team import agree_inputs
+from cosmos3_batch.pipeline.kinds.context import ModelContext
+from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache, gate_rank, tally
+from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob, job_class, rejoin
+from cosmos3_batch.pipeline.passes.apply import PartApplier
+from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class PassRunner:
         self.rule = rule if und_cache else replace(rule, lookahead=0)
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
-        self.cache = cache  # --cache sea (pipeline/step_cache.py): a branch may reuse instead of computing
+        self.cache = cache  # --cache sea (kinds/step_cache/cache.py): a branch may reuse instead of computing
         self.skipped_passes = 0  # passes on which every branch of every rank reused: nothing fetched
         self.forwards = [0, 0]  # branch forwards of its requests: [ran the layers, reused] (--sp: once)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
@@ -163,7 +164,7 @@ class PassRunner:
         world_slots = groups * self.max_active  # an --sp group's slots count once
         while True:
             if self.team is not None:
-                self.team.check()  # a group decode broke on this rank: end the job (pipeline/vae_team.py)
+                self.team.check()  # a group decode broke on this rank: end the job (finish/vae_team.py)
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
             active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
             for job, error in failed:

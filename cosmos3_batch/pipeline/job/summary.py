@@ -11,13 +11,13 @@ from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io.metrics import iso_time
 from cosmos3_batch.model.numerics import cpu_numerics
 from cosmos3_batch.parallel.world import World
-from cosmos3_batch.pipeline.results import versions
+from cosmos3_batch.pipeline.finish.results import versions
 from cosmos3_batch.plan.cache import cache_record
 
 if TYPE_CHECKING:
-    from cosmos3_batch.pipeline.job_plan import Plan
-    from cosmos3_batch.pipeline.results import ResultWriter
-    from cosmos3_batch.pipeline.runner import PassRunner
+    from cosmos3_batch.pipeline.finish.results import ResultWriter
+    from cosmos3_batch.pipeline.job.run_plan import Plan
+    from cosmos3_batch.pipeline.passes.runner import PassRunner
 
 
 def preview(ids, limit: int = 8) -> str:

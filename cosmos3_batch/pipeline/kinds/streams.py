@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cosmos3_batch.model.modes import ACTION, SOUND, StreamLayout
-from cosmos3_batch.pipeline import sync_free
+from cosmos3_batch.pipeline.kinds import sync_free
 
 
 @dataclass

@@ -22,10 +22,10 @@ from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
-from cosmos3_batch.pipeline.controls import controls_record
-from cosmos3_batch.pipeline.denoise import RequestJob, Result
-from cosmos3_batch.pipeline.step_cache import cache_report, forward_counts
-from cosmos3_batch.pipeline.stop import JobFault, StopRequest
+from cosmos3_batch.parallel.stop import JobFault, StopRequest
+from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.kinds.step_cache.cache import cache_report, forward_counts
+from cosmos3_batch.pipeline.kinds.transfer.controls import controls_record
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")

@@ -1,7 +1,7 @@
 """A request's sampler, as its checkpoint declares it (checkpoint/declared.py, DESIGN.md §18).
 
 - `UniPCSampler` (base checkpoints): `UniPCMultistepScheduler` over the request's steps and flow shift, as
-  `Cosmos3OmniPipeline` runs it, its steps free of host-device syncs (pipeline/sync_free.py).
+  `Cosmos3OmniPipeline` runs it, its steps free of host-device syncs (pipeline/kinds/sync_free.py).
 - `DistilledSampler` (4-step distilled checkpoints): `FlowMatchEulerDiscreteScheduler` on the checkpoint's
   `distilled_sigmas`, stochastic: each step re-noises from the request's own generator, then the conditioned
   latent frames are put back to their clean values, as `Cosmos3DistilledVisionLoopSchedulerStep` does.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cosmos3_batch.pipeline import sync_free
+from cosmos3_batch.pipeline.kinds import sync_free
 
 
 class UniPCSampler:

@@ -15,10 +15,10 @@ import torch
 
 from cosmos3_batch.model.batched import gen_layer_batched, row_groups, und_layer_batched
 from cosmos3_batch.model.cosmos3 import GEN, BranchSeq, Cosmos3Split
-from cosmos3_batch.pipeline.step_cache import computing
+from cosmos3_batch.pipeline.kinds.step_cache.cache import computing
 
 if TYPE_CHECKING:
-    from cosmos3_batch.pipeline.denoise import RequestJob
+    from cosmos3_batch.pipeline.kinds.denoise import RequestJob
 
 
 class PartApplier:

@@ -10,7 +10,7 @@ gathers the decoded frames.
 
 Encode (the pass loop's thread, at admission: I2V / V2V conditioning and action canvases). Every rank
 of the group prepares each admitted request, so every one calls the VAE's `encode`; the encode view's
-VAE (pipeline/context.py) is given `VaeTeam.encode` instead, which runs the split walk on the first P
+VAE (pipeline/kinds/context.py) is given `VaeTeam.encode` instead, which runs the split walk on the first P
 ranks over the group's own process group and broadcasts the result to all S. Before it, the runner has
 read each admitted request's files on every rank and agreed on them (`agree_inputs`): a file one rank
 cannot read fails that request on every rank before any encode.
@@ -34,15 +34,10 @@ import torch
 
 from cosmos3_batch.model.vae_patch import Shard, decode_shard, encode_shard
 from cosmos3_batch.model.vae_shards import plan_cut, shard_sizes
-from cosmos3_batch.parallel.vae_group import PatchGroup, PeerLost
-from cosmos3_batch.pipeline.denoise import RequestFailed
+from cosmos3_batch.parallel.vae_group import GroupBroken, PatchGroup, PeerLost
+from cosmos3_batch.pipeline.kinds.denoise import RequestFailed
 
 log = logging.getLogger("cosmos3_batch")
-
-
-class GroupBroken(RuntimeError):
-    """The group's decodes or encodes can no longer be kept in step: the job must end (see the module doc).
-    Its message says what failed, on this rank."""
 
 
 @dataclass
@@ -51,7 +46,7 @@ class VaeTeam:
     vae: torch.nn.Module  # the walks read its submodules only (no per-call state on the module)
     encoding: PatchGroup  # the --sp group, its first P ranks encode (the pass loop's process group)
     decoding: PatchGroup | None = None  # this rank's decode team (the finisher's); None: not a member
-    encode_vae: torch.nn.Module | None = None  # the encode view's VAE (its own caches: pipeline/context.py)
+    encode_vae: torch.nn.Module | None = None  # the encode view's VAE (own caches: kinds/context.py)
     broken: str | None = None  # what broke the team on this rank (its message only: no frame is kept alive)
     split_decodes: int = 0  # decodes this rank took part in that used more than one shard
     split_encodes: int = 0
@@ -151,7 +146,7 @@ class VaeTeam:
         """A view of the helper pipeline whose VAE encodes through the decode team (the finisher thread's
         group): a chunk boundary's encodes, in order with the team's decodes on every member. Made once."""
         if self._boundary_view is None:
-            from cosmos3_batch.pipeline.context import encoder_view
+            from cosmos3_batch.pipeline.kinds.context import encoder_view
 
             view = encoder_view(helper, self.vae)
 

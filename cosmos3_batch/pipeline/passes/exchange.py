@@ -26,7 +26,7 @@ class Exchanged:
     und: bool  # some active request needs the UND parts anyway (the --no-und-cache ablation)
     finished: int  # requests reported (written or failed) on all ranks since the last pass
     stop: bool  # some rank was asked to stop (SIGINT / SIGTERM)
-    # The live figures (pipeline/monitor.py), carried by the same all-reduce: no collective of their own.
+    # The live figures (passes/monitor.py), carried by the same all-reduce: no collective of their own.
     failed: int = 0  # of `finished`, those that failed
     weight_bytes: int = 0  # moved by all ranks in the previous pass (host->device + gathered)
     stall_s: float = 0.0  # compute waited for a layer part in the previous pass, summed over ranks

@@ -1,6 +1,6 @@
 """Rank 0's view of a running job (DESIGN.md §20): the lag warning and `--metrics-textfile`.
 
-Everything comes from the per-pass exchange (pipeline/exchange.py), which already carries each rank's
+Everything comes from the per-pass exchange (pipeline/passes/exchange.py), which already carries each rank's
 counts; nothing here issues a collective. A thread wakes every second: it writes the text file every
 `--metrics-interval-s` and warns when rank 0 has waited for the others for more than `LAG_SHARE` of
 `--collective-timeout-s` (then the job is that far from ending with 69), wherever it waits: the exchange,
@@ -21,7 +21,7 @@ from pathlib import Path
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io.prometheus import Snapshot, job_labels, write_textfile
 from cosmos3_batch.parallel.waiting import Wait
-from cosmos3_batch.pipeline.exchange import Exchanged, PassSync
+from cosmos3_batch.pipeline.passes.exchange import Exchanged, PassSync
 
 log = logging.getLogger("cosmos3_batch")
 LAG_SHARE = 0.5  # of --collective-timeout-s: a rank this late is named in the log
@@ -145,7 +145,7 @@ class JobMonitor:
 
 
 def final_counts(ranks: list[dict]) -> dict[str, int]:
-    """The request counts of the end-of-run reports (pipeline/summary.py rank_report), exact."""
+    """The request counts of the end-of-run reports (pipeline/job/summary.py rank_report), exact."""
     return {
         "done": sum(r["ok"] for r in ranks),
         "failed": sum(len(r["failed"]) for r in ranks),

@@ -16,7 +16,7 @@ import torch
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.parallel.sequence import check_model, shard_rows
-from cosmos3_batch.pipeline.denoise import VisionLayout
+from cosmos3_batch.pipeline.kinds.denoise import VisionLayout
 
 
 @dataclass

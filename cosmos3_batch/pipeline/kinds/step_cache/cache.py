@@ -9,7 +9,7 @@ branch's `final_norm`; the head reads either.
 The gate reads the raw vision latents before any layer runs, so the runner evaluates every active
 request's gates before the pass's exchange (`gate_rank`), and a branch that reuses takes no part in the
 layer walk. The indicator is diffusers' own (`_build_indicator`: the SEA spectral filter over the latents
-the transformer would be given); the decision is diffusers' resolve_gate (pipeline/sea_gate.py).
+the transformer would be given); the decision is diffusers' resolve_gate (pipeline/kinds/step_cache/gate.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from diffusers.hooks.sea_cache import (
     _SeaCacheForwardMetadata,
 )
 
-from cosmos3_batch.pipeline import sea_gate
-from cosmos3_batch.pipeline.sea_filter import device_indicator
+from cosmos3_batch.pipeline.kinds.step_cache import gate as sea_gate
+from cosmos3_batch.pipeline.kinds.step_cache.indicator import device_indicator
 
 if TYPE_CHECKING:
     from cosmos3_batch.model.cosmos3 import BranchSeq
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class RequestJob(Protocol):
-    """What the cache reads of pipeline/denoise.py's RequestJob (which imports this module)."""
+    """What the cache reads of pipeline/kinds/denoise.py's RequestJob (which imports this module)."""
 
     ctx: Any
     latents: torch.Tensor

@@ -20,10 +20,10 @@ from cosmos3_batch.io.manifest import write_manifest
 from cosmos3_batch.io.metrics import STATE_DIR, merge_metrics, merge_pending, merged_rows
 from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.parallel.exit_codes import ExitCode
+from cosmos3_batch.parallel.stop import PRECEDENCE
 from cosmos3_batch.parallel.world import World
-from cosmos3_batch.pipeline.job_plan import Plan
-from cosmos3_batch.pipeline.stop import PRECEDENCE
-from cosmos3_batch.pipeline.summary import build_summary, describe_summary, summary_name
+from cosmos3_batch.pipeline.job.run_plan import Plan
+from cosmos3_batch.pipeline.job.summary import build_summary, describe_summary, summary_name
 
 log = logging.getLogger("cosmos3_batch")
 

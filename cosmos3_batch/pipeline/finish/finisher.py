@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cosmos3_batch.pipeline.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 
 Report = Callable[[RequestJob, Result | None, str | None], None]
 
