@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from cosmos3_batch.pipeline.job.run import run as job
+from cosmos3_batch.pipeline.job import load as job
 from tests.dist import jobs
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.pipeline.job.run import run as job
+from cosmos3_batch.pipeline.job import load as job_load
+from cosmos3_batch.pipeline.job import run as job
 from tests.conftest import write_jsonl
 
 REQUEST = {"id": "img", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
@@ -28,8 +29,8 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         pytest.fail("got past planning with a checkpoint that should have been rejected")
 
-    monkeypatch.setattr(job, "load_context", refuse)
-    monkeypatch.setattr(job, "build_weights", refuse)
+    monkeypatch.setattr(job_load, "load_context", refuse)
+    monkeypatch.setattr(job_load, "build_weights", refuse)
     monkeypatch.setattr(job, "_check_same_plan", refuse)  # the first collective after planning
 
 

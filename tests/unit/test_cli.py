@@ -299,7 +299,7 @@ def test_make_tiny_never_replaces_a_folder_it_did_not_write(tmp_path):
 def test_rerun_with_nothing_to_do_names_the_skipped_and_loads_nothing(job, tiny_ckpt, monkeypatch, caplog):
     prompts, out = job
     assert run(tiny_ckpt, prompts, out).exit_code == 0
-    import cosmos3_batch.pipeline.job.run as job_module
+    import cosmos3_batch.pipeline.job.load as job_module
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a rerun with nothing to generate must not load the model")

@@ -284,7 +284,7 @@ class TwoRanks:
 
 def test_only_rank_0_reads_out_for_resume_and_the_others_take_its_split(runs, tiny_ckpt, tmp_path):
     from cosmos3_batch.config import make_config
-    from cosmos3_batch.pipeline.job.run import run as job
+    from cosmos3_batch.pipeline.job import run as job
 
     out = linked_copy(runs["shards"], tmp_path / "copy")
     more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])

@@ -27,7 +27,7 @@ from cosmos3_batch.io import outputs
 from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
 from cosmos3_batch.io.metrics import read_part
 from cosmos3_batch.io.space import disk_errno
-from cosmos3_batch.pipeline.job.run import run as job
+from cosmos3_batch.pipeline.job import load as job_load
 from tests.conftest import assert_same_outputs, write_jsonl
 
 ROWS = [
@@ -134,7 +134,7 @@ def test_a_full_disk_stops_the_job_with_75_and_the_rerun_does_exactly_the_rest(
 
 
 def test_no_room_for_the_largest_output_is_exit_2_before_any_weight_is_read(tmp_path, tiny_ckpt, monkeypatch):
-    monkeypatch.setattr(job, "load_context", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(job_load, "load_context", lambda *a, **k: pytest.fail("weights were loaded"))
     prompts = write_jsonl(
         tmp_path / "p.jsonl", [{"id": "big", "prompt": "x", "size": "512x512", "num_frames": 33}]
     )
@@ -165,7 +165,7 @@ def test_a_read_only_output_stops_the_job_with_75(tmp_path, tiny_ckpt, monkeypat
 def test_a_disk_that_fills_at_the_end_is_still_exit_75(tmp_path, tiny_ckpt, monkeypatch):
     """Every output written, then the merge of metrics.csv is refused: the rows wait in their part files,
     the job still says the disk is full (a Slurm script holds it), and the rerun merges them."""
-    from cosmos3_batch.pipeline.job.run import ending
+    from cosmos3_batch.pipeline.job import ending
 
     def full(out):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "metrics.csv"))

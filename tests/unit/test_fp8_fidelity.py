@@ -19,7 +19,8 @@ from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.cli import app
 from cosmos3_batch.model.fp8 import Fp8Linear
 from cosmos3_batch.model.loading import decoder_linear_weights
-from cosmos3_batch.pipeline.job.run import run as job
+from cosmos3_batch.pipeline.job import load as job_load
+from cosmos3_batch.pipeline.job import run as job
 from cosmos3_batch.pipeline.kinds.context import load_context
 from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.pipeline.passes.weights import ResidentWeights
@@ -115,8 +116,8 @@ def test_damaged_fp8_checkpoint_exits_2(damage, tiny_ckpt, tmp_path, monkeypatch
     def refuse(*args: object, **kwargs: object) -> None:
         pytest.fail("got past planning with a checkpoint that should have been rejected")
 
-    monkeypatch.setattr(job, "load_context", refuse)
-    monkeypatch.setattr(job, "build_weights", refuse)
+    monkeypatch.setattr(job_load, "load_context", refuse)
+    monkeypatch.setattr(job_load, "build_weights", refuse)
     ckpt = tmp_path / "fp8"
     convert_fp8(tiny_ckpt, ckpt, decoder_linear_weights)
     what = damage(ckpt)

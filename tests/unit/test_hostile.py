@@ -17,7 +17,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
-from cosmos3_batch.pipeline.job.run import run as job
+from cosmos3_batch.pipeline.job import load as job_load
+from cosmos3_batch.pipeline.job import run as job
 from tests.unit.test_faults import tmpfs
 
 CLIP = Path(__file__).resolve().parents[2] / "examples" / "clip.mp4"
@@ -30,8 +31,8 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         pytest.fail("got past planning (collective or weight loading) on input that should stop it")
 
-    monkeypatch.setattr(job, "load_context", refuse)
-    monkeypatch.setattr(job, "build_weights", refuse)
+    monkeypatch.setattr(job_load, "load_context", refuse)
+    monkeypatch.setattr(job_load, "build_weights", refuse)
     monkeypatch.setattr(job, "_check_same_plan", refuse)  # the first collective after planning
 
 

@@ -17,36 +17,33 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
-from cosmos3_batch.checkpoint.watch import CheckpointWatch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import dataset, outputs
 from cosmos3_batch.io.metrics import MetricsWriter, state_dir
 from cosmos3_batch.io.space import check_room, output_bytes
 from cosmos3_batch.model.limits import limits_for
-from cosmos3_batch.model.loading import transformer_rule, validate_checkpoint
+from cosmos3_batch.model.loading import validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0, exit_as_one
-from cosmos3_batch.parallel.seq_group import build_seq_group
-from cosmos3_batch.parallel.sequence import check_model, check_world, spans_nodes
+from cosmos3_batch.parallel.sequence import check_model, check_world
 from cosmos3_batch.parallel.stall import Place, peer_failure, post_mortem
 from cosmos3_batch.parallel.stop import StopRequest
-from cosmos3_batch.parallel.vae_group import GroupBroken, build_decode_group
+from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.parallel.world import World, init_world, teardown
 from cosmos3_batch.pipeline.finish.results import ResultWriter, shard_writer
-from cosmos3_batch.pipeline.finish.vae_team import build_team
 from cosmos3_batch.pipeline.job.drive import Progress, drive
 from cosmos3_batch.pipeline.job.dtypes import check_dtypes, compute_tag
 from cosmos3_batch.pipeline.job.ending import Outcome, end_run
+from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.pipeline.job.summary import preview, rank_report
-from cosmos3_batch.pipeline.kinds.context import load_context
 from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
-from cosmos3_batch.pipeline.passes.runner import PassRunner, PassSync
-from cosmos3_batch.pipeline.passes.weights import build_weights, weights_report
+from cosmos3_batch.pipeline.passes.runner import PassRunner
+from cosmos3_batch.pipeline.passes.weights import weights_report
 from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
 from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
@@ -214,6 +211,7 @@ def _check_same_plan(world: World, plan: Plan) -> None:
 
 
 def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outcome:
+    """The phases of a run: validate and plan (every rank alike), load, run the passes, end."""
     started = time.time()
     _quiet_other_ranks(world)
     plan = _plan_everywhere(cfg, world)
@@ -222,79 +220,32 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     _agreed(world, _pin_encoder)
     # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
     mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
-    seq_group = build_seq_group(world.rank, world.world_size, cfg.sp, world.device, cfg.collective_timeout_s)
-    parts = cfg.vae_patch_parallel_size
-    decode_group = build_decode_group(
-        world.rank, world.world_size, cfg.sp, parts, world.device, cfg.collective_timeout_s
-    )
-    if world.is_main and spans_nodes(cfg.sp, world.local_world_size):
-        log.warning(
-            "--sp %d does not divide the %d ranks per node: some groups' all-to-alls cross nodes",
-            cfg.sp, world.local_world_size,
-        )  # fmt: skip
-    watch = CheckpointWatch(plan.model_dir)  # before any weight is read: the files as this job loads them
-    checkpoint = Checkpoint.open(plan.model_dir)
-    ctx = load_context(
-        plan.model_dir,
-        world.device,
-        with_layers=cfg.offload is OffloadMode.RESIDENT,
-        vae_tiling=cfg.vae_tiling,
-        tokenizer=plan.tokenizer,
-        fp8_compute=cfg.fp8_compute,
-        dtype=cfg.dtype,
-        vae_dtype=cfg.vae_dtype,
-    )
-    ctx.vae_team = build_team(ctx, parts, seq_group, decode_group)
-    # Loading has no collective; the first ones after it (the layout digest, the shard reads' end) wait with
-    # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
-    place.enter("loading", cfg.load_timeout_s, "--load-timeout-s")
-    world.wait_for_ranks(cfg.load_timeout_s, "loading")
-    sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
-    rule = transformer_rule(checkpoint, cfg.dtype)
-    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world, rule, sync.waiting)
-    place.enter("reading the shards")
-    world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
+    loaded = load_model(cfg, world, plan, place)
     place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
-    metrics = MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag)
+    ranks = _passes(cfg, world, plan, loaded, mine, stop, started)
+    return end_run(cfg, world, plan, ranks, started)
+
+
+def _passes(
+    cfg: RunConfig,
+    world: World,
+    plan: Plan,
+    loaded: Loaded,
+    mine: list[Request],
+    stop: StopRequest,
+    started: float,
+) -> list[dict]:
+    """This rank's queue through the pass loop; every rank's report, gathered."""
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
-    writer = ResultWriter(
-        cfg,
-        plan.model_dir,
-        metrics,
-        plan.model_identity,
-        rank=world.rank,
-        weights=weights_report(ctx.split.fp8),
-        stop=stop,
-        layout=plan.dataset.layout,
-        shards=shard_writer(cfg, plan.dataset, world.rank),
-    )
-    if world.is_main and (recovered := writer.recover_rows(plan.complete)):
-        log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
+    writer = _writer(cfg, world, plan, loaded, stop)
     monitor = None
     if world.is_main:  # the lag warnings, and --metrics-textfile
-        monitor = start_monitor(cfg, sync, len(plan.requests), len(plan.complete), started)
+        monitor = start_monitor(cfg, loaded.sync, len(plan.requests), len(plan.complete), started)
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
         # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).
         warn_unless_strict(f"--sp {cfg.sp}" if cfg.sp > 1 else "batched branches")
-    runner = PassRunner(
-        ctx,
-        weights,
-        cfg.max_active,
-        writer,
-        sync,
-        bar.update,
-        und_cache=cfg.und_cache,
-        stop=stop,
-        rule=cfg.prefill,
-        batch_branches=cfg.batch_branches,
-        sp=seq_group,
-        watch=watch.changed,
-        max_batch_rows=cfg.max_batch_rows,
-        on_exchange=None if monitor is None else monitor.on_exchange,
-        failures=lambda: len(writer.failed),
-        cache=cfg.cache,
-    )
+    runner = _runner(cfg, loaded, writer, bar, stop, monitor)
     final = None
     try:
         if monitor is not None:
@@ -303,7 +254,7 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
         gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
         report = rank_report(world, runner, writer, gathers)
         report["stop"] = stop.record()
-        report["weights"] = weights_report(ctx.split.fp8, calls=True)
+        report["weights"] = weights_report(loaded.ctx.split.fp8, calls=True)
         ranks = world.all_gather_object(report)
         final = final_counts(ranks)
     finally:
@@ -312,7 +263,45 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
     bar.close()
-    return end_run(cfg, world, plan, ranks, started)
+    return ranks
+
+
+def _writer(cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: StopRequest) -> ResultWriter:
+    writer = ResultWriter(
+        cfg,
+        plan.model_dir,
+        MetricsWriter(cfg.out, rank=world.rank, tag=cfg.tag),
+        plan.model_identity,
+        rank=world.rank,
+        weights=weights_report(loaded.ctx.split.fp8),
+        stop=stop,
+        layout=plan.dataset.layout,
+        shards=shard_writer(cfg, plan.dataset, world.rank),
+    )
+    if world.is_main and (recovered := writer.recover_rows(plan.complete)):
+        log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
+    return writer
+
+
+def _runner(cfg: RunConfig, loaded: Loaded, writer: ResultWriter, bar: Progress, stop: StopRequest, monitor):
+    return PassRunner(
+        loaded.ctx,
+        loaded.weights,
+        cfg.max_active,
+        writer,
+        loaded.sync,
+        bar.update,
+        und_cache=cfg.und_cache,
+        stop=stop,
+        rule=cfg.prefill,
+        batch_branches=cfg.batch_branches,
+        sp=loaded.seq_group,
+        watch=loaded.watch.changed,
+        max_batch_rows=cfg.max_batch_rows,
+        on_exchange=None if monitor is None else monitor.on_exchange,
+        failures=lambda: len(writer.failed),
+        cache=cfg.cache,
+    )
 
 
 def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
