@@ -294,7 +294,7 @@ def plan(
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
 
-    from cosmos3_batch.plan import planner
+    from cosmos3_batch.plan import job_plan
     from cosmos3_batch.plan.hardware import Hardware, preset, with_overrides
     from cosmos3_batch.plan.prefill import PrefillRule
     from cosmos3_batch.requests.sources import STDIN, Columns
@@ -307,7 +307,7 @@ def plan(
             hbm_gbps=hbm_gbps, device_gib=device_gib, host_gib_per_node=host_gib,
         )  # fmt: skip
         rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead, chunk_gap_passes)
-        doc, text = planner.plan_job(
+        doc, text = job_plan.plan_job(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,

@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-
 from cosmos3_batch.checkpoint.folder import Checkpoint
-from cosmos3_batch.checkpoint.hub import resolve_model
 from cosmos3_batch.engine.layout import PartLayout
 from cosmos3_batch.engine.offload import slot_sizes
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
-from cosmos3_batch.model.vae_shards import check_patchable
-from cosmos3_batch.parallel.sequence import SpCost, check_model, check_world, sp_cost, spans_nodes
-from cosmos3_batch.plan import text as plan_text
-from cosmos3_batch.plan.branches import most_branches, sim_request, transfer_work
-from cosmos3_batch.plan.cache import SeaSettings, check_cache, check_reuse, skip_share
+from cosmos3_batch.parallel.sequence import SpCost, sp_cost, spans_nodes
+from cosmos3_batch.plan.branches import most_branches, sim_request
+from cosmos3_batch.plan.cache import skip_share
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
     decode_bytes,
@@ -32,13 +27,12 @@ from cosmos3_batch.plan.device_memory import (
 )
 from cosmos3_batch.plan.estimate import Estimate
 from cosmos3_batch.plan.hardware import Hardware
-from cosmos3_batch.plan.model_shape import ModelShape, model_shape
+from cosmos3_batch.plan.model_shape import ModelShape
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import Assignment, assign, gen_tokens
 from cosmos3_batch.plan.simulator import PartBytes, Simulation, simulate
-from cosmos3_batch.requests.parse import Request, no_cycle_collection
-from cosmos3_batch.requests.sources import ALL_NAMED, Columns
+from cosmos3_batch.requests.parse import Request
 
 GB = 1e9
 IDLE_WARN_SHARE = 0.25  # a quarter of the GPU-time idle: worth changing --nproc or the file
@@ -89,28 +83,15 @@ def estimate(
     pass_s *= 1 - skipped  # a pass no branch computes fetches nothing and costs next to nothing
     a2a = SpCost(activations, 0, 0.0)
     if sp > 1:  # a group of S holds K requests; each rank 1/S of their GEN rows, all of their UND K/V
-        a2a_gbps = hw.gather_gbps if not spans_nodes(sp, per_node) else hw.inter_node_gbps
-        dims = dict(
-            hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-            intermediate=shape.intermediate,
-        )  # fmt: skip
-        held = branches * (len(active) + len(ahead))
-        a2a = sp_cost(dims, sp, (*work, held), shape.layers, shape.act_bytes, a2a_gbps)
+        a2a = _sp_share(shape, sp, work, branches * (len(active) + len(ahead)), hw, spans_nodes(sp, per_node))
         # The group's own model of a rank's share (its transient per branch): kept whole below.
         activations, pass_s = a2a.activation_bytes, pass_s + a2a.all_to_all_s
         kept, transient = activations, 0
     host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
     lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
     slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
-    breakdown = {
-        "slots": 0 if mode is OffloadMode.RESIDENT else slots,
-        "layer_weights": {OffloadMode.RESIDENT: layer_bytes, OffloadMode.SHARDED: shards}.get(mode, 0),
-        "resident_weights": shape.device_resident_bytes + shape.vae_bytes,
-        "activations": kept,
-        "batched_transient": transient,
-        "vae_decode": decode_bytes(shape, requests, vae_tiling, vae_parts),
-        "runtime_overhead": runtime_overhead_bytes(world_size, sp),
-    }
+    breakdown = _device_breakdown(shape, mode, slots, (kept, transient), (world_size, sp))
+    breakdown["vae_decode"] = decode_bytes(shape, requests, vae_tiling, vae_parts)
     device = sum(breakdown.values())
     assignment = assignment if assignment is not None else assign(requests, groups)
     token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
@@ -131,6 +112,34 @@ def estimate(
     est.warnings = _warnings(est, per_node, hw)
     est.cache_reuse, est.skipped_share = reuse, skipped
     return est
+
+
+def _sp_share(shape: ModelShape, sp: int, work: tuple, held: int, hw: Hardware, cross_node: bool) -> SpCost:
+    """A rank's share of an --sp group's work: its activations and the all-to-alls' bytes and time."""
+    a2a_gbps = hw.inter_node_gbps if cross_node else hw.gather_gbps
+    dims = dict(
+        hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate=shape.intermediate,
+    )  # fmt: skip
+    return sp_cost(dims, sp, (*work, held), shape.layers, shape.act_bytes, a2a_gbps)
+
+
+def _device_breakdown(
+    shape: ModelShape, mode: OffloadMode, slots: int, activations: tuple[int, int], world: tuple[int, int]
+) -> dict[str, int]:
+    """Device bytes per rank by what holds them (the VAE decode's added by the caller). `activations`: (kept,
+    batched transient); `world`: (world size, --sp)."""
+    layer_bytes = sum(p.nbytes for p in shape.parts)
+    shards = sum(p.shard_bytes for p in shape.parts)
+    return {
+        "slots": 0 if mode is OffloadMode.RESIDENT else slots,
+        "layer_weights": {OffloadMode.RESIDENT: layer_bytes, OffloadMode.SHARDED: shards}.get(mode, 0),
+        "resident_weights": shape.device_resident_bytes + shape.vae_bytes,
+        "activations": activations[0],
+        "batched_transient": activations[1],
+        "vae_decode": 0,
+        "runtime_overhead": runtime_overhead_bytes(*world),
+    }
 
 
 def _bytes_per_pass(gen_parts: list[PartLayout], mode: OffloadMode, world: int) -> tuple[int, int]:
@@ -243,133 +252,3 @@ def simulate_job(
         parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
     sim_queues = [[sim_request(r, rule.chunk_gap) for r in queue] for queue in queues]
     return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))
-
-
-def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
-    """What the layers are stored as (FP8 halves every byte figure of the plan) and their total size."""
-    fp8 = bool(checkpoint.config("transformer").get("quantization_config"))
-    dtypes = sorted({str(p.spec.dtype).removeprefix("torch.") for part in shape.parts for p in part.params})
-    return {
-        "format": "fp8 e4m3 per-tensor (ModelOpt) + scales" if fp8 else "/".join(dtypes),
-        "fp8": fp8,
-        "layer_gib": sum(part.payload_bytes for part in shape.parts) / 2**30,
-    }
-
-
-@no_cycle_collection()  # a million requests, schedules and queues: no cycles among them (requests/parse.py)
-def plan_job(
-    prompts: str | list[str],
-    model: str | None,
-    nproc: int,
-    nnodes: int,
-    offload: str,
-    max_active: int,
-    hw: Hardware,
-    shard: str | None = None,
-    max_vision_tokens: int = 65536,
-    rule: PrefillRule | None = None,
-    sp: int = 1,
-    samples: int = 1,
-    columns: Columns = ALL_NAMED,
-    stdin: bytes | None = None,
-    dtype: str = "checkpoint",
-    vae_dtype: str = "checkpoint",
-    max_batch_rows: int | None = MAX_BATCH_ROWS,
-    vae_tiling: bool = False,
-    vae_parts: int = 1,
-    cache: tuple[SeaSettings, float] | None = None,
-) -> tuple[dict, str]:
-    """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
-    `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
-    `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse)."""
-    rule = rule if rule is not None else PrefillRule()
-    from cosmos3_batch.engine.transport import parse_offload
-    from cosmos3_batch.model.limits import limits_for
-    from cosmos3_batch.plan.schedule import describe as describe_schedule
-    from cosmos3_batch.plan.schedule import in_shard, parse_shard
-    from cosmos3_batch.requests.fields import MAX_SAMPLES
-    from cosmos3_batch.requests.parse import ModelLimits, load_requests
-
-    if nproc < 1 or nnodes < 1 or nproc % nnodes:
-        raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
-    if not 1 <= samples <= MAX_SAMPLES:
-        raise ValueError(f"--samples-per-prompt must be >= 1 and <= {MAX_SAMPLES}, got {samples}")
-    if vae_parts < 1 or sp % vae_parts or (vae_parts > 1 and vae_tiling):
-        raise ValueError(
-            f"--vae-patch-parallel-size {vae_parts} must divide --sp {sp} (and excludes --vae-tiling)"
-        )
-    mode = parse_offload(offload)
-    groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
-    source = resolve_model(model) if model is not None else None
-    checkpoint = Checkpoint.open(source.path) if source is not None else None
-    if checkpoint is not None:
-        check_model(sp, checkpoint.config("transformer"))
-        check_patchable(checkpoint.config("vae"), vae_parts)
-    limits = (
-        limits_for(checkpoint, max_vision_tokens)
-        if checkpoint
-        else ModelLimits(max_vision_tokens=max_vision_tokens)
-    )
-    requests = load_requests(prompts, limits, samples=samples, columns=columns, stdin=stdin)[0]
-    if shard is not None:
-        index, count = parse_shard(shard)
-        requests = [r for r in requests if in_shard(r.id, index, count)]
-    if cache is not None:
-        check_cache(cache[0], requests)  # what run refuses with --cache sea, plan refuses too
-        check_reuse(cache[1])
-    assignment = assign(requests, groups)
-    doc: dict = {
-        **({"model": source.record()} if source is not None else {}),
-        "sp": sp,
-        "requests": len(requests),
-        "ranks": [
-            {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
-            for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
-        ],
-        "predicted_idle_share": assignment.idle_share,
-        "total_work": sum(assignment.costs),
-    }
-    where = (
-        f"{nproc} rank(s)"
-        if sp == 1
-        else f"{nproc} ranks in {groups} --sp {sp} groups (a group is a rank below)"
-    )
-    text = [f"{len(requests)} valid requests on {where}; work in GEN-token x steps x branches"]
-    text.append(describe_schedule(assignment))
-    shape = (
-        model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
-    )
-    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
-    doc["simulation"] = sim.to_dict()
-    text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
-    if (chains := transfer_work(requests)) is not None:
-        doc["transfer"] = chains
-        text.append(
-            f"Transfer: {chains['requests']} chain(s), {chains['chunks']} chunks: {chains['vae_decodes']} "
-            f"VAE decodes, {chains['vae_encodes']} encodes (controls + target per chunk); a chain sits "
-            f"out --chunk-gap-passes {rule.chunk_gap} passes per chunk boundary"
-        )
-    if shape is not None:
-        doc["weights"] = weight_format(checkpoint, shape)
-        text.append(f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB")
-        tokens = prompt_tokens(checkpoint, requests)
-        est = estimate(
-            shape, requests, tokens, nproc, nnodes, mode, max_active, hw, rule.lookahead, sp,
-            max_batch_rows, vae_tiling, vae_parts, assignment, cache[1] if cache else 0.0,
-        )  # fmt: skip
-        doc["estimate"] = est.to_dict()
-        if not plan_text.resolvable(est):
-            doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
-        text += ["", plan_text.describe(est)]
-    else:
-        text.append(
-            "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
-            "(reads only the checkpoint's configs and headers)"
-        )
-    if cache is not None:
-        doc["cache"] = {**cache[0].record(), "reuse": cache[1]}
-        text.append(plan_text.describe_cache(cache[1], doc.get("estimate")))
-    if warning := idle_warning(assignment.idle_share):
-        doc.setdefault("warnings", []).append(warning)
-        text.append(f"WARNING: {warning}")
-    return doc, "\n".join(text)

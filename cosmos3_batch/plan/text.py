@@ -126,3 +126,11 @@ def describe_cache(reuse: float, est: dict | None) -> str:
         f"(requests deciding independently), so weight bytes per output x {1 - skipped:.3f}; a fetch-bound "
         "job gains little from the cache"
     )
+
+
+def describe_transfer(chains: dict, chunk_gap: int) -> str:
+    return (
+        f"Transfer: {chains['requests']} chain(s), {chains['chunks']} chunks: {chains['vae_decodes']} "
+        f"VAE decodes, {chains['vae_encodes']} encodes (controls + target per chunk); a chain sits "
+        f"out --chunk-gap-passes {chunk_gap} passes per chunk boundary"
+    )

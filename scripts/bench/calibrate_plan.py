@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cosmos3_batch.model.tiny import ensure_default_tiny
 from cosmos3_batch.plan.hardware import preset
-from cosmos3_batch.plan.planner import plan_job
+from cosmos3_batch.plan.job_plan import plan_job
 from cosmos3_batch.plan.shapes import NANO_TRANSFORMER, WAN22_VAE
 
 STEPS = 35

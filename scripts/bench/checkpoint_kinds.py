@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cosmos3_batch.model.tiny import TinySpec, ensure_default_tiny, write_tiny
 from cosmos3_batch.plan.hardware import preset
-from cosmos3_batch.plan.planner import plan_job
+from cosmos3_batch.plan.job_plan import plan_job
 from cosmos3_batch.plan.shapes import SUPER_TRANSFORMER, WAN22_VAE
 
 T2I = {"prompt": "a robot arm on a table", "size": "1024x1024", "num_frames": 1}

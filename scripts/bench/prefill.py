@@ -142,6 +142,7 @@ def real(world: int = 4, max_active: int = 4) -> None:
     from cosmos3_batch.engine.transport import OffloadMode
     from cosmos3_batch.model.tiny import ensure_default_tiny
     from cosmos3_batch.plan import planner
+    from cosmos3_batch.plan.model_shape import model_shape
     from cosmos3_batch.plan.schedule import assign
     from cosmos3_batch.requests.parse import parse_lines
 
@@ -149,7 +150,7 @@ def real(world: int = 4, max_active: int = 4) -> None:
     requests, _ = parse_lines([json.dumps(r).encode() for r in rows])
     import torch
 
-    shape = planner.model_shape(Checkpoint.open(ensure_default_tiny()), world, torch.bfloat16)
+    shape = model_shape(Checkpoint.open(ensure_default_tiny()), world, torch.bfloat16)
     und_parts = [p for p in shape.parts if not p.key.endswith("gen")]
     und_bytes = sum(planner._bytes_per_pass(und_parts, OffloadMode.ALLGATHER, world))
     print(f"\n### Real run: 48-request mix, {world} gloo ranks, --max-active {max_active} (tiny model)\n")

@@ -5,7 +5,7 @@ WebDataset shards.
     python scripts/bench/resume_scale.py [--quick] [--count N] [--layouts nested,flat,webdataset]
 
 For each layout: N complete outputs (tiny 32x32 PNG requests) are written with the job's own writer
-(`pipeline/results.ResultWriter`, sidecars or shards and metrics rows as a run writes them); the writes
+(`finish/results.py ResultWriter`, sidecars or shards and metrics rows as a run writes them); the writes
 of the first 1,000 and of the last 1,000 are timed with fsync as a run does, the ones between are written
 with fsync off to keep the set-up short (what is on disk is the same); then metrics.csv and
 manifest.parquet are written as the run's end writes them. Then `cosmos3-batch run` is started on the

@@ -68,10 +68,11 @@ def test_plan_matches_measured_memory(mid_ckpt, allgather_ranks):
     from cosmos3_batch.checkpoint.folder import Checkpoint
     from cosmos3_batch.engine.transport import OffloadMode
     from cosmos3_batch.plan import planner
+    from cosmos3_batch.plan.model_shape import model_shape
     from cosmos3_batch.requests.parse import parse_lines
 
     ckpt = Checkpoint.open(mid_ckpt)
-    shape = planner.model_shape(ckpt, world_size=2, fallback_dtype=torch.bfloat16)
+    shape = model_shape(ckpt, world_size=2, fallback_dtype=torch.bfloat16)
     (request,), _ = parse_lines([b'{"id": "i", "prompt": "x", "num_frames": 1, "size": "32x32"}'])
     est = planner.estimate(shape, [request], {"i": 100}, 2, 1, OffloadMode.ALLGATHER, 1, planner.Hardware())
     predicted_shards = est.host_private_bytes_per_rank - shape.host_resident_bytes

@@ -9,7 +9,9 @@ from cosmos3_batch.checkpoint.convert import convert_fp8
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.model.loading import decoder_linear_weights
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
-from cosmos3_batch.plan.planner import Hardware, model_shape, plan_job
+from cosmos3_batch.plan.hardware import Hardware
+from cosmos3_batch.plan.job_plan import plan_job
+from cosmos3_batch.plan.model_shape import model_shape
 from tests.conftest import write_jsonl
 from tests.unit.test_fp8_fidelity import ROWS
 

@@ -18,7 +18,8 @@ from cosmos3_batch.model.loading import transformer_rule
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.kinds.context import load_context
 from cosmos3_batch.pipeline.passes.weights import build_weights
-from cosmos3_batch.plan import planner
+from cosmos3_batch.plan import job_plan, planner
+from cosmos3_batch.plan.model_shape import model_shape
 from cosmos3_batch.plan.shapes import NANO_TRANSFORMER, WAN22_VAE
 from cosmos3_batch.requests.parse import parse_lines
 from tests.conftest import write_jsonl
@@ -36,7 +37,7 @@ def nano_config_only(tmp_path, tiny_ckpt):
 
 
 def test_nano_figures_by_hand(nano_config_only):
-    shape = planner.model_shape(nano_config_only, world_size=8, fallback_dtype=torch.bfloat16)
+    shape = model_shape(nano_config_only, world_size=8, fallback_dtype=torch.bfloat16)
     # One half-layer (UND or GEN): q 4096x4096, k and v 4096x1024, o 4096x4096, q/k norms 128 each,
     # MLP gate/up/down 3 x 4096x12288, two 4096 layernorms.
     params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
@@ -79,7 +80,7 @@ def test_nano_figures_by_hand(nano_config_only):
 
 
 def test_warns_when_it_cannot_fit(nano_config_only):  # and says which flag to change
-    shape = planner.model_shape(nano_config_only, world_size=1, fallback_dtype=torch.bfloat16)
+    shape = model_shape(nano_config_only, world_size=1, fallback_dtype=torch.bfloat16)
     (request,), _ = parse_lines([b'{"id": "v", "prompt": "x", "size": "1280x720", "num_frames": 189}'])
     small = planner.Hardware(device_gib=24)  # Nano's 28 GB of layers cannot sit on a 24 GB card
     est = planner.estimate(shape, [request], {"v": 300}, 1, 1, OffloadMode.RESIDENT, 1, small)
@@ -91,7 +92,7 @@ def test_slot_size_equals_the_engines(tiny_ckpt, dtype):
     ckpt = Checkpoint.open(tiny_ckpt)
     ctx = load_context(tiny_ckpt, torch.device("cpu"), with_layers=False, dtype=dtype)
     weights = build_weights(ctx.layers, ckpt, OffloadMode.ALLGATHER, World(), transformer_rule(ckpt, dtype))
-    shape = planner.model_shape(ckpt, world_size=1, fallback_dtype=torch.bfloat16, dtype=dtype)
+    shape = model_shape(ckpt, world_size=1, fallback_dtype=torch.bfloat16, dtype=dtype)
     assert shape.act_bytes == (2 if dtype == "bfloat16" else 4)
     (request,), _ = parse_lines([b'{"id": "i", "prompt": "x", "num_frames": 1, "size": "32x32"}'])
     est = planner.estimate(shape, [request], {"i": 100}, 1, 1, OffloadMode.ALLGATHER, 1, planner.Hardware())
@@ -113,7 +114,7 @@ def test_device_breakdown_of_nano_k4_720p_cfg_on_8_ranks_fits_an_h200(nano_confi
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({**row, "id": f"v{i}"}) + "\n" for i in range(16)))
     h200 = planner.Hardware(device_gib=141)
-    doc, text = planner.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200)
+    doc, text = job_plan.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200)
     est = doc["estimate"]
     parts = est["device_breakdown"]
     assert list(parts) == [
@@ -131,11 +132,11 @@ def test_device_breakdown_of_nano_k4_720p_cfg_on_8_ranks_fits_an_h200(nano_confi
     gen, kv = 44_160, 8 * 128
     one = (gen * 12288 * 3 + gen * (4096 + 2 * kv) + (und + gen) * 2 * kv + 2 * gen * 4096) * 2
     assert parts["batched_transient"] == one
-    unbounded = planner.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200, max_batch_rows=None)
+    unbounded = job_plan.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200, max_batch_rows=None)
     assert unbounded[0]["estimate"]["device_breakdown"]["batched_transient"] == 8 * one  # K=4 x 2 branches
     # The decode of a 189-frame 720p clip in float32 is the largest single item; tiled it is a fraction.
     assert parts["vae_decode"] > 16 * 2**30
-    tiled = planner.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200, vae_tiling=True)
+    tiled = job_plan.plan_job(str(prompts), str(root), 8, 1, "allgather", 4, h200, vae_tiling=True)
     assert (
         tiled[0]["estimate"]["device_breakdown"]["vae_decode"] < parts["vae_decode"] / 3
     )  # + the output, twice
@@ -190,7 +191,7 @@ def test_plan_sizes_distilled_and_edge_checkpoints(tmp_path, tiny_ckpt, tiny_dis
     assert (plans["super"]["passes"], plans["super"]["und_sequence_runs"]) == (50, 16)
     assert (plans["super-4step"]["passes"], plans["super-4step"]["und_sequence_runs"]) == (4, 8)
     edge = Checkpoint.open(folder(tiny_edge_ckpt, "edge", EDGE_TRANSFORMER))
-    shape = planner.model_shape(edge, world_size=8, fallback_dtype=torch.bfloat16)
+    shape = model_shape(edge, world_size=8, fallback_dtype=torch.bfloat16)
     # q 3072x3072, k and v 3072x1024, o 3072x3072, up and down 3072x9216 (no gate), two Nemotron norms, the
     # UND k-norm for GEN on the GEN half only.
     half = 2 * 3072 * 3072 + 2 * 3072 * 1024 + 2 * 3072 * 9216

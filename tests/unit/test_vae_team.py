@@ -21,7 +21,8 @@ from cosmos3_batch.parallel.seq_group import SeqGroup, build_seq_group
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.pipeline.finish.vae_team import VaeTeam
 from cosmos3_batch.pipeline.job.drive import drive
-from cosmos3_batch.pipeline.passes import runner as runner_module
+from cosmos3_batch.pipeline.passes import admission as admission_module
+from cosmos3_batch.pipeline.passes.admission import Admission
 from cosmos3_batch.pipeline.passes.runner import PassRunner
 from tests.unit.test_vae_patch import in_threads
 
@@ -81,7 +82,7 @@ def admitting(vae, admissions, monkeypatch, timeout_s: float) -> tuple[list, lis
     """`PassRunner._admit` of each list of jobs `admissions(rank, team)` gives, in turn, on two thread ranks
     (the group's encode team and `--sp` group on one gloo group, as on CPU). Per rank: (the ids admitted by
     each call, the (id, error) failures, the trace's events), or the exception; and the teams."""
-    monkeypatch.setattr(runner_module, "job_class", lambda request: lambda ctx, request, **_: request)
+    monkeypatch.setattr(admission_module, "job_class", lambda request: lambda ctx, request, **_: request)
     teams: list = [None, None]
 
     def rank_main(group):
@@ -89,8 +90,9 @@ def admitting(vae, admissions, monkeypatch, timeout_s: float) -> tuple[list, lis
         group.note = events.append
         teams[group.index] = team = VaeTeam(2, vae, encoding=group, encode_vae=vae)
         runner = PassRunner.__new__(PassRunner)
-        runner.ctx, runner.und_cache, runner.team, runner.leads, runner.cache = None, True, team, True, None
-        runner.sp = SeqGroup(2, group.index, 0, group.pg, note=events.append, host=group.pg)
+        runner.leads = True
+        sp = SeqGroup(2, group.index, 0, group.pg, note=events.append, host=group.pg)
+        runner.admission = Admission(None, True, sp, 2, None, True, None, team)
         runner.finisher = SimpleNamespace(fail=lambda job, error: failed.append((job.request.id, error)))
         admitted = [[job.request.id for job in runner._admit(jobs)] for jobs in admissions(group.index, team)]
         return admitted, failed, events

@@ -32,7 +32,7 @@ class ModelContext:
     # the same weights, its own cache attributes, so an I2V admission never waits behind a decode.
     encode_helper: object = None
     vae_lock: threading.Lock = field(default_factory=threading.Lock)  # decodes, one at a time
-    vae_team: object = None  # pipeline/vae_team.VaeTeam under --vae-patch-parallel-size > 1
+    vae_team: object = None  # finish/vae_team.py VaeTeam under --vae-patch-parallel-size > 1
     encode_lock: threading.Lock = field(default_factory=threading.Lock)  # encodes, one at a time
 
     def __post_init__(self) -> None:

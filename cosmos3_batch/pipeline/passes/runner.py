@@ -29,14 +29,13 @@ from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
-from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.parallel.waiting import WaitMark
 from cosmos3_batch.pipeline.finish.finisher import Finisher
-from cosmos3_batch.pipeline.finish.vae_team import agree_inputs
 from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
-from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache, gate_rank, tally
-from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob, job_class, rejoin
+from cosmos3_batch.pipeline.kinds.step_cache.cache import gate_rank, tally
+from cosmos3_batch.pipeline.kinds.transfer.chain import rejoin
+from cosmos3_batch.pipeline.passes.admission import Admission, describe
 from cosmos3_batch.pipeline.passes.apply import PartApplier
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
@@ -138,6 +137,9 @@ class PassRunner:
         self._moved = Counters()  # the last pass's counters, until the next exchange carries them
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.finisher = Finisher(self._report, ctx.device)
+        self.admission = Admission(
+            ctx, self.und_cache, sp, self.rule.chunk_gap, self.finisher.hand_off, self.leads, cache, self.team
+        )
 
     def _trace_groups(self) -> None:
         """The groups' collectives go into the pass trace, and their waits are marked for rank 0's monitor."""
@@ -170,31 +172,9 @@ class PassRunner:
             for job, error in failed:
                 self._fail(job, error)
             computing = gate_rank(active)  # before any layer: which branches run the stack this pass
-            report = slots.report(len(active))
-            local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
-            with self._count_lock:
-                mine, self._reported = self._reported, 0
-                failed, self._failed[1] = self._failed[0] - self._failed[1], self._failed[0]
-            moved, self._moved = self._moved, Counters()
-            figures = Figures(failed, moved.h2d_bytes + moved.gathered_bytes, moved.stall_s)
-            stop = self.stop.requested
-            if self.leads:
-                world = self.sync.exchange(len(active), report, local_und, mine, stop, figures, computing)
-            else:  # the group's state is counted once, by its first rank; a signal counts from any rank
-                figures = Figures(0, figures.weight_bytes, figures.stall_s)  # its bytes are its own
-                world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, stop, figures)
-            if self.on_exchange is not None:
-                self.on_exchange(world)
-            if self.on_progress is not None and world.finished > mine:
-                self.on_progress(world.finished - mine)  # our own were counted as they were written
+            world = self._exchange(active, slots, computing)
             if world.stop:
-                self.interrupted = True
-                for job in active:
-                    job.abandon()
-                if self.leads:  # a group's requests are on record once
-                    # Prefilled-ahead requests never took a step: like the queued ones, not started.
-                    self.abandoned = active + self._unsubmitted
-                    self.not_started = [job.request for job in slots.ready] + list(slots.queue)
+                self._abandon(active, slots)
                 return
             if world.active == 0 and world.pending == 0:
                 return
@@ -223,6 +203,37 @@ class PassRunner:
                 submit = self.sp.agree([submit])[0]  # every decoding rank submits the same requests
             active = self._finish(active, submit=submit)
 
+    def _exchange(self, active: list[RequestJob], slots: RankSlots, computing: int) -> Exchanged:
+        """The pass's one all-reduce: this rank's state and live figures in, the world's sums back."""
+        report = slots.report(len(active))
+        local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
+        with self._count_lock:
+            mine, self._reported = self._reported, 0
+            failed, self._failed[1] = self._failed[0] - self._failed[1], self._failed[0]
+        moved, self._moved = self._moved, Counters()
+        figures = Figures(failed, moved.h2d_bytes + moved.gathered_bytes, moved.stall_s)
+        stop = self.stop.requested
+        if self.leads:
+            world = self.sync.exchange(len(active), report, local_und, mine, stop, figures, computing)
+        else:  # the group's state is counted once, by its first rank; a signal counts from any rank
+            figures = Figures(0, figures.weight_bytes, figures.stall_s)  # its bytes are its own
+            world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, stop, figures)
+        if self.on_exchange is not None:
+            self.on_exchange(world)
+        if self.on_progress is not None and world.finished > mine:
+            self.on_progress(world.finished - mine)  # our own were counted as they were written
+        return world
+
+    def _abandon(self, active: list[RequestJob], slots: RankSlots) -> None:
+        """Some rank stopped: leave the loop, with what was in flight and what never started on record."""
+        self.interrupted = True
+        for job in active:
+            job.abandon()
+        if self.leads:  # a group's requests are on record once
+            # Prefilled-ahead requests never took a step: like the queued ones, not started.
+            self.abandoned = active + self._unsubmitted
+            self.not_started = [job.request for job in slots.ready] + list(slots.queue)
+
     def _checkpoint_changed(self) -> bool:
         """After a pass, before anything it computed is submitted: are the checkpoint's files as loaded?
         A change stops the job at the next exchange (exit 1), on every rank. Under --sp only the group's
@@ -246,47 +257,9 @@ class PassRunner:
             self.on_progress(1)
 
     def _admit(self, requests: list[Request]) -> list[RequestJob]:
-        jobs = [
-            job_class(request)(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
-            for request in requests
-        ]
-        for job in jobs:
-            if isinstance(job, TransferJob):  # its chunk boundaries: on the finisher's thread, a fixed gap
-                job.gap, job.hand_off, job.keeps_output = (
-                    self.rule.chunk_gap,
-                    self.finisher.hand_off,
-                    self.leads,
-                )
-        if self.team is not None:  # the group encodes together: agree on the files first
-            agree_inputs(jobs, self.sp)
-        errors = []
-        for job in jobs:
-            try:
-                if self.team is None:
-                    job.prepare()
-                else:  # an error before this rank's part in the group's encode ends the job
-                    self.team.prepare(job)
-                errors.append(None)
-            except GroupBroken:  # the group's collectives would misalign: end the job
-                raise
-            except Exception as exc:  # a bad request must not take the job down
-                errors.append(_describe(exc))
-        if self.sp is not None and requests:
-            # A request that failed to prepare on one rank of the group (a read error, out of memory) is
-            # dropped on all of them: the group's all-to-alls must carry the same requests.
-            agreed = self.sp.agree([error is None for error in errors])
-            errors = [
-                error if error is not None or ok else "failed to prepare on another rank of its --sp group"
-                for error, ok in zip(errors, agreed, strict=True)
-            ]
-        admitted = []
-        for job, error in zip(jobs, errors, strict=True):
-            if error is None:
-                if self.cache is not None:
-                    job.cache = StepCache(self.cache, job, self.ctx.sampler.distilled)
-                admitted.append(job)
-            else:
-                self._fail(job, error)
+        admitted, failed = self.admission.admit(requests)
+        for job, error in failed:
+            self._fail(job, error)
         return admitted
 
     def _drop_failed(self, jobs: list[RequestJob]) -> list[RequestJob]:
@@ -306,7 +279,7 @@ class PassRunner:
             except Exception as exc:
                 if self.sp is not None:
                     raise
-                self.finisher.fail(job, _describe(exc))
+                self.finisher.fail(job, describe(exc))
                 continue
             ok.append(job)
         return ok
@@ -315,7 +288,7 @@ class PassRunner:
         self, active: list[RequestJob], und_flag: bool, prefill: list[RequestJob], skip: bool = False
     ) -> None:
         """Walk the layers: UND halves (if fetched) for every branch still to prefill, the active ones and
-        those prefilled ahead; GEN halves for the branches that compute (pipeline/step_cache.computing).
+        those prefilled ahead; GEN halves for the branches that compute (kinds/step_cache/cache.py computing).
         `skip`: none computes anywhere: no layer is walked, fetched or gathered."""
         split, weights = self.ctx.split, self.weights
         started = time.perf_counter()
@@ -373,7 +346,7 @@ class PassRunner:
                 except Exception as exc:
                     if self.sp is not None:
                         raise
-                    error = _describe(exc)
+                    error = describe(exc)
             if not submit:
                 self._unsubmitted.append(job)
             elif error is not None:
@@ -393,7 +366,3 @@ class PassRunner:
     def _fail(self, job: RequestJob, error: str) -> None:
         if self.leads:
             self.finisher.fail(job, error)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,178 @@
+"""What `cosmos3-batch plan` prints for a request file: the schedule, the pass simulation, and with --model
+the weights' format and the estimate (plan/planner.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.checkpoint.hub import resolve_model
+from cosmos3_batch.model.vae_shards import check_patchable
+from cosmos3_batch.parallel.sequence import check_model, check_world
+from cosmos3_batch.plan import text as plan_text
+from cosmos3_batch.plan.branches import transfer_work
+from cosmos3_batch.plan.cache import SeaSettings, check_cache, check_reuse
+from cosmos3_batch.plan.hardware import Hardware
+from cosmos3_batch.plan.model_shape import ModelShape, model_shape
+from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
+from cosmos3_batch.plan.schedule import Assignment, assign
+from cosmos3_batch.requests.parse import Request, no_cycle_collection
+from cosmos3_batch.requests.sources import ALL_NAMED, Columns
+
+
+@no_cycle_collection()  # a million requests, schedules and queues: no cycles among them (requests/parse.py)
+def plan_job(
+    prompts: str | list[str],
+    model: str | None,
+    nproc: int,
+    nnodes: int,
+    offload: str,
+    max_active: int,
+    hw: Hardware,
+    shard: str | None = None,
+    max_vision_tokens: int = 65536,
+    rule: PrefillRule | None = None,
+    sp: int = 1,
+    samples: int = 1,
+    columns: Columns = ALL_NAMED,
+    stdin: bytes | None = None,
+    dtype: str = "checkpoint",
+    vae_dtype: str = "checkpoint",
+    max_batch_rows: int | None = MAX_BATCH_ROWS,
+    vae_tiling: bool = False,
+    vae_parts: int = 1,
+    cache: tuple[SeaSettings, float] | None = None,
+) -> tuple[dict, str]:
+    """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
+    `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
+    `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse)."""
+    from cosmos3_batch.engine.transport import parse_offload
+    from cosmos3_batch.requests.parse import load_requests
+
+    rule = rule if rule is not None else PrefillRule()
+    _check_flags(nproc, nnodes, samples, sp, vae_parts, vae_tiling)
+    mode = parse_offload(offload)
+    groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
+    source = resolve_model(model) if model is not None else None
+    checkpoint = Checkpoint.open(source.path) if source is not None else None
+    if checkpoint is not None:
+        check_model(sp, checkpoint.config("transformer"))
+        check_patchable(checkpoint.config("vae"), vae_parts)
+    limits = _limits(checkpoint, max_vision_tokens)
+    requests = load_requests(prompts, limits, samples=samples, columns=columns, stdin=stdin)[0]
+    requests = _in_shard(requests, shard)
+    if cache is not None:
+        check_cache(cache[0], requests)  # what run refuses with --cache sea, plan refuses too
+        check_reuse(cache[1])
+    assignment = assign(requests, groups)
+    doc, text = _schedule_section(source, requests, assignment, nproc, sp)
+    shape = (
+        model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
+    )
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
+    doc["simulation"] = sim.to_dict()
+    text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
+    if (chains := transfer_work(requests)) is not None:
+        doc["transfer"] = chains
+        text.append(plan_text.describe_transfer(chains, rule.chunk_gap))
+    if shape is not None:
+        job = (nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
+        vae = (max_batch_rows, vae_tiling, vae_parts)
+        text += _model_section(doc, checkpoint, shape, requests, job, vae, assignment, cache)
+    else:
+        text.append(
+            "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
+            "(reads only the checkpoint's configs and headers)"
+        )
+    if cache is not None:
+        doc["cache"] = {**cache[0].record(), "reuse": cache[1]}
+        text.append(plan_text.describe_cache(cache[1], doc.get("estimate")))
+    if warning := idle_warning(assignment.idle_share):
+        doc.setdefault("warnings", []).append(warning)
+        text.append(f"WARNING: {warning}")
+    return doc, "\n".join(text)
+
+
+def _check_flags(nproc: int, nnodes: int, samples: int, sp: int, vae_parts: int, vae_tiling: bool) -> None:
+    from cosmos3_batch.requests.fields import MAX_SAMPLES
+
+    if nproc < 1 or nnodes < 1 or nproc % nnodes:
+        raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise ValueError(f"--samples-per-prompt must be >= 1 and <= {MAX_SAMPLES}, got {samples}")
+    if vae_parts < 1 or sp % vae_parts or (vae_parts > 1 and vae_tiling):
+        raise ValueError(
+            f"--vae-patch-parallel-size {vae_parts} must divide --sp {sp} (and excludes --vae-tiling)"
+        )
+
+
+def _limits(checkpoint: Checkpoint | None, max_vision_tokens: int):
+    from cosmos3_batch.model.limits import limits_for
+    from cosmos3_batch.requests.parse import ModelLimits
+
+    if checkpoint is None:
+        return ModelLimits(max_vision_tokens=max_vision_tokens)
+    return limits_for(checkpoint, max_vision_tokens)
+
+
+def _in_shard(requests: list[Request], shard: str | None) -> list[Request]:
+    from cosmos3_batch.plan.schedule import in_shard, parse_shard
+
+    if shard is None:
+        return requests
+    index, count = parse_shard(shard)
+    return [r for r in requests if in_shard(r.id, index, count)]
+
+
+def _schedule_section(source, requests: list[Request], assignment: Assignment, nproc: int, sp: int):
+    """The document's head and the schedule's lines: which requests each rank (or --sp group) runs."""
+    from cosmos3_batch.plan.schedule import describe as describe_schedule
+
+    doc: dict = {
+        **({"model": source.record()} if source is not None else {}),
+        "sp": sp,
+        "requests": len(requests),
+        "ranks": [
+            {"rank": rank, "ids": [r.id for r in queue], "predicted_work": cost}
+            for rank, (queue, cost) in enumerate(zip(assignment.queues, assignment.costs, strict=True))
+        ],
+        "predicted_idle_share": assignment.idle_share,
+        "total_work": sum(assignment.costs),
+    }
+    groups = nproc // sp
+    where = (
+        f"{nproc} rank(s)"
+        if sp == 1
+        else f"{nproc} ranks in {groups} --sp {sp} groups (a group is a rank below)"
+    )
+    text = [f"{len(requests)} valid requests on {where}; work in GEN-token x steps x branches"]
+    text.append(describe_schedule(assignment))
+    return doc, text
+
+
+def _model_section(
+    doc: dict, checkpoint, shape, requests, job: tuple, vae: tuple, assignment, cache
+) -> list[str]:
+    """With --model: the weights' format and the estimate (memory, bytes per pass, roofline), into `doc`.
+    `job`: (nproc, nnodes, mode, max_active, hw, lookahead, sp); `vae`: (max_batch_rows, tiling, parts)."""
+    doc["weights"] = weight_format(checkpoint, shape)
+    text = [f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB"]
+    tokens = prompt_tokens(checkpoint, requests)
+    est = estimate(shape, requests, tokens, *job, *vae, assignment, cache[1] if cache else 0.0)
+    doc["estimate"] = est.to_dict()
+    if not plan_text.resolvable(est):
+        doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
+    return [*text, "", plan_text.describe(est)]
+
+
+def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:
+    """What the layers are stored as (FP8 halves every byte figure of the plan) and their total size."""
+    fp8 = bool(checkpoint.config("transformer").get("quantization_config"))
+    dtypes = sorted({str(p.spec.dtype).removeprefix("torch.") for part in shape.parts for p in part.params})
+    return {
+        "format": "fp8 e4m3 per-tensor (ModelOpt) + scales" if fp8 else "/".join(dtypes),
+        "fp8": fp8,
+        "layer_gib": sum(part.payload_bytes for part in shape.parts) / 2**30,
+    }
