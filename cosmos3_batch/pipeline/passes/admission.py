@@ -13,12 +13,18 @@ from cosmos3_batch.pipeline.finish.vae_team import VaeTeam, agree_inputs
 from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob
 from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache
-from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob, job_class
+from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob
 
 if TYPE_CHECKING:
     from cosmos3_batch.parallel.seq_group import SeqGroup
     from cosmos3_batch.plan.cache import SeaSettings
     from cosmos3_batch.requests.parse import Request
+
+
+def job_class(request: Request) -> type[RequestJob]:
+    """The state machine a request runs as, by its kind: Transfer's chunk chain, or the one-segment job. A
+    new kind adds its class here; the runner asks every kind the same questions."""
+    return TransferJob if request.transfer is not None else RequestJob
 
 
 def describe(exc: BaseException) -> str:

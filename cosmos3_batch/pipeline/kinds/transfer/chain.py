@@ -367,8 +367,3 @@ def rejoin(active: list[RequestJob], sp) -> tuple[list[RequestJob], list[tuple[R
     failed = [(job, error) for job, error in zip(returning, errors, strict=True) if error is not None]
     gone = {id(job) for job, _ in failed}
     return [job for job in active if id(job) not in gone], failed
-
-
-def job_class(request) -> type[RequestJob]:
-    """The state machine a request runs as: Transfer's chunk chain, or the one-segment job."""
-    return TransferJob if request.transfer is not None else RequestJob
