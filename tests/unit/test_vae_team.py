@@ -8,6 +8,7 @@ encodes' broadcasts are in the trace. And the job logs a broken team's own messa
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -204,3 +205,33 @@ def test_a_broken_team_is_logged_as_what_failed_on_this_rank(tmp_path, caplog):
     with pytest.raises(GroupBroken), caplog.at_level(logging.ERROR, logger="cosmos3_batch"):
         drive(cfg, world, runner, [], writer, SimpleNamespace(), SimpleNamespace())
     assert [r.getMessage() for r in caplog.records] == [f"the job ends: {broken}"]
+
+
+class WriteRecorder(VaeTeam):
+    """A team that records which counter each thread writes (issue 48: a `+= 0` from the finisher thread
+    could lose an increment of the loop thread's)."""
+
+    def __setattr__(self, name, value):
+        if name in ("encodes", "split_encodes", "split_boundary_encodes") and hasattr(self, "writes"):
+            self.writes.append((name, threading.current_thread().name))
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("video", [SMALL, IMAGE], ids=["whole", "split"])
+def test_each_encode_counter_is_written_by_one_thread_only(vae, video):
+    def rank_main(group):
+        team = WriteRecorder(2, vae, encoding=group, decoding=group, encode_vae=vae)
+        team.encoding = SimpleNamespace(share_int=group.share_int)  # an admission group of its own
+        team.writes = []
+        threading.current_thread().name = "finisher"
+        team._encode_output(team.decoding, vae, video, True)  # a chunk boundary's encode
+        boundary = list(team.writes)
+        return boundary, team.encodes
+
+    out = in_threads(2, rank_main)
+    split = video is IMAGE
+    for result in out:
+        assert not isinstance(result, Exception), result
+        boundary, encodes = result
+        assert boundary == ([("split_boundary_encodes", "finisher")] if split else [])
+        assert encodes == 0

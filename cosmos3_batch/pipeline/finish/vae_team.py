@@ -112,15 +112,19 @@ class VaeTeam:
         spatial = int(self.vae.config.scale_factor_spatial)
         latent_hw = (x.shape[3] // spatial, x.shape[4] // spatial)
         cut = self.guarded(lambda: self._cut(group, latent_hw, x.device))
-        loop = group is self.encoding  # else the finisher thread's decode team: counts of its own
+        # Each counter has one writer thread: `encodes` and `split_encodes` the loop's (admission through
+        # `encoding`), `split_boundary_encodes` the finisher's (a chunk boundary through `decoding`). A `+= 0`
+        # from the other thread would still be a read-modify-write that can lose the loop's increment.
+        loop = group is self.encoding
         if len(cut.sizes) == 1:  # every rank encodes it whole, as without the flag (no message follows: an
             # error fails this request alone, so its messages are done here)
-            self.encodes += int(loop)
+            if loop:
+                self.encodes += 1
             h = type(whole_vae)._encode(whole_vae, x)
         else:
             h = self.guarded(lambda: self._encode(group, x, cut, spatial))
-            self.encodes += int(loop)
             if loop:
+                self.encodes += 1
                 self.split_encodes += 1
             else:
                 self.split_boundary_encodes += 1
