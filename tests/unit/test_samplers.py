@@ -11,7 +11,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from cosmos3_batch.model.tiny_kinds import TINY_DISTILLED_SIGMAS, distilled_scheduler_config
-from cosmos3_batch.pipeline.kinds.samplers import DistilledSampler
+from cosmos3_batch.pipeline.kinds.samplers import DistilledSampler, step_noise
 from tests.unit.test_sync_free import Waits
 
 SHAPE = (1, 16, 3, 4, 4)  # [1, C, T, H, W]: a request's latents
@@ -70,3 +70,32 @@ def test_the_references_step_on_a_device_waits():
         for t in reference.timesteps:
             x = reference.step(torch.empty_like(x), t, x, generator=generator, return_dict=False)[0]
     assert waits.seen["copy from the host"] == len(TINY_DISTILLED_SIGMAS)
+
+
+class RecordingCudart:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", ptr, nbytes, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_the_step_noise_is_one_buffer_of_the_per_step_draws_pinned_at_its_size(pin):
+    shape, steps = (1, 16, 3, 5, 7), 4
+    drawn = torch.Generator().manual_seed(11)
+    expected = torch.stack([torch.randn(shape, generator=drawn, dtype=torch.float32) for _ in range(steps)])
+    cudart = RecordingCudart()
+    noise, region = step_noise(steps, shape, torch.Generator().manual_seed(11), pin, cudart)
+    assert torch.equal(noise, expected) and noise.is_contiguous()
+    if not pin:
+        assert region is None and cudart.calls == []
+        return
+    assert cudart.calls == [("register", noise.data_ptr(), steps * 16 * 3 * 5 * 7 * 4, 0)]
+    region.close()
+    assert cudart.calls[-1] == ("unregister", noise.data_ptr())

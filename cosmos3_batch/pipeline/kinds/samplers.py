@@ -16,9 +16,12 @@ formula on the same tensors; tests/unit/test_samplers.py holds it to `scheduler.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
+from cosmos3_batch.engine.pinning import PinnedRegion
 from cosmos3_batch.pipeline.kinds import sync_free
 
 
@@ -45,6 +48,18 @@ class UniPCSampler:
         return sync_free.step(self.scheduler, velocity.unsqueeze(0), t, latents.unsqueeze(0)).squeeze(0)
 
 
+def step_noise(
+    steps: int, shape: tuple[int, ...], generator: torch.Generator, pin: bool, cudart=None
+) -> tuple[torch.Tensor, PinnedRegion | None]:
+    """Every step's noise [steps, *shape] float32, drawn from `generator` in step order (the values of one
+    `torch.randn(shape)` per step) into one buffer; `pin`: that buffer page-locked at exactly its size
+    (`cudaHostRegister`: torch's pinned allocator would round 133 MB up to 256 MB, after a second copy)."""
+    noise = torch.empty((steps, *shape), dtype=torch.float32)
+    for step in range(steps):
+        torch.randn(shape, generator=generator, dtype=torch.float32, out=noise[step])
+    return noise, PinnedRegion.of_tensor(noise, cudart) if pin else None
+
+
 class DistilledSampler:
     def __init__(
         self, ctx, sigmas, generator: torch.Generator, latents: torch.Tensor, mask, conditioned: bool
@@ -57,14 +72,10 @@ class DistilledSampler:
         scheduler.set_timesteps(sigmas=list(sigmas), device=ctx.device)
         self.scheduler = scheduler
         self.sigmas = scheduler.sigmas  # on the device already (set_timesteps' device), the last one 0
-        shape = (
-            1,
-            *latents.shape,
-        )  # the scheduler's sample: the latents with a leading 1, as diffusers steps
-        noise = [torch.randn(shape, generator=generator, dtype=torch.float32) for _ in sigmas]
-        self.noise = torch.stack(noise)  # [steps, 1, C, T, H, W] float32, drawn in step order
-        if ctx.device.type == "cuda":  # exact-size pinned: the per-step copy does not wait for the device
-            self.noise = self.noise.pin_memory()
+        shape = (1, *latents.shape)  # the scheduler's sample: the latents with a leading 1, as diffusers has
+        self.noise, region = step_noise(len(sigmas), shape, generator, pin=ctx.device.type == "cuda")
+        if region is not None:  # unregistered when the sampler goes, before its buffer is freed
+            weakref.finalize(self, region.close)
         # Re-anchoring (I2V, V2V): the clean conditioning frames. The initial latents hold them where the mask
         # is 1 (mask * clean + (1 - mask) * noise), and where it is 0 only a zero times them is added.
         self.anchor = (mask, latents.clone()) if conditioned else None

@@ -9,10 +9,10 @@ diffusers' UniPC step (0.42), run as the reference runs it, synchronizes three w
 - The corrector's `torch.linalg.solve` checks for a singular matrix on the host (`_linalg_check_errors`).
   `step` skips that check on devices (never on the CPU): the solution is the same tensor, and R is a
   Vandermonde matrix of distinct log-SNR ratios, never singular.
-Left: at order 1 (a request's first corrector step, and its last with `lower_order_final`) the corrector
-builds `torch.tensor([0.5], device=...)`, a blocking copy torch's dispatcher does not expose to us.
-`tests/unit/test_sync_free.py` counts what remains on the meta device and checks the steps bit for bit
-against the reference scheduler on the CPU.
+Nothing else is left: at order 1 (a request's first corrector step, and its last with `lower_order_final`)
+diffusers 0.42.1 builds the corrector's 0.5 on the device (`torch.ones(1, device=...) * 0.5`), no copy.
+`tests/unit/test_sync_free.py` counts every wait on the meta device (none, order-1 steps included) and
+checks the steps bit for bit against the reference scheduler on the CPU.
 """
 
 from __future__ import annotations
