@@ -238,6 +238,22 @@ class CudaBackend:
             _, spans = self._ended.popleft()
             self._read(spans, counters)
 
+    def drain(self, counters: Counters, timeout_s: float) -> bool:
+        """After the last pass (teardown, not the steady state): wait, with a deadline and without a device
+        synchronize, for every ended pass's events, and add their times: the last passes' are otherwise
+        never read. False if some never completed (a gather stuck on a dead peer): those stay unread."""
+        deadline = time.monotonic() + timeout_s
+        while self._ended:
+            end, spans = self._ended[0]
+            if end.query():
+                self._ended.popleft()
+                self._read(spans, counters)
+            elif time.monotonic() > deadline:
+                return False
+            else:
+                time.sleep(0.001)
+        return True
+
     def _read(self, spans: list[Span], counters: Counters) -> None:
         seen: dict[int, object] = {}
         for span in spans:

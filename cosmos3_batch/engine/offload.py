@@ -11,6 +11,7 @@ flight), times from the backend (wall clock on CPU, CUDA events on the GPU).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from cosmos3_batch.engine.host import FileReader, HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
 from cosmos3_batch.engine.slots import SlotScheduler
 from cosmos3_batch.engine.transport import Counters, CpuBackend, FetchSource, OffloadMode, fetch_bytes
+
+log = logging.getLogger("cosmos3_batch")
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,13 @@ class LayerOffload:
         For benchmarks and tests after their final synchronize; the runner needs none (every end_pass
         returns what has completed by then, and nothing is lost)."""
         self.backend.end_pass(self.counters)  # an empty pass, then every completed one is read
+        return self.counters.take()
+
+    def drain(self) -> Counters:
+        """After the last pass: the times of every pass not read yet (CUDA: their events waited for, up to
+        close_timeout_s; a dead peer's stuck gather leaves its pass unread rather than hang)."""
+        if not self.backend.drain(self.counters, self.config.close_timeout_s):
+            log.warning("device times of the last passes not read: their events did not complete")
         return self.counters.take()
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ What must hold (see cuda_backend.py and slots.py):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 
@@ -321,3 +322,33 @@ def test_collect_reads_what_completed_after_the_last_pass(tmp_path, monkeypatch)
     fake.device_now = math.inf  # e.g. a benchmark synchronized the device
     assert engine.collect().compute_s * 1000 == pytest.approx(LAYERS * COMPUTE_MS["gen"], rel=1e-12)
     assert engine.collect().compute_s == 0.0  # read once
+
+
+def test_drain_waits_for_the_last_passes_events_and_reads_them_once(tmp_path, monkeypatch):
+    # The runner's end: without it a short run's last passes (most of its times) never reach the totals.
+    engine, fake = make_engine(tmp_path, monkeypatch)
+    fake.device_now = 0.0  # the device is behind: no pass has completed at its end_pass
+    first, second = run_pass(engine, fake, UND_PASS), run_pass(engine, fake, GEN_PASS)
+    assert first.compute_s == second.compute_s == 0.0
+    waits = []
+
+    def device_catches_up(seconds):  # the host waits; meanwhile the device runs what was issued
+        waits.append(seconds)
+        fake.device_now = math.inf
+
+    monkeypatch.setattr(cuda_backend.time, "sleep", device_catches_up)
+    drained = engine.drain()
+    both = LAYERS * (COMPUTE_MS["und"] + COMPUTE_MS["gen"]) + LAYERS * COMPUTE_MS["gen"]
+    assert drained.compute_s * 1000 == pytest.approx(both, rel=1e-12) and waits
+    assert not [e for e in fake.log if e[0] == "host_wait"]  # polled events, no device-wide synchronize
+    assert engine.drain().compute_s == 0.0  # read once
+
+
+def test_drain_gives_up_at_its_deadline_when_a_pass_never_completes(tmp_path, monkeypatch, caplog):
+    engine, fake = make_engine(tmp_path, monkeypatch)
+    fake.device_now = 0.0  # a gather stuck on a dead peer: its pass never completes
+    run_pass(engine, fake, GEN_PASS)
+    engine.config = dataclasses.replace(engine.config, close_timeout_s=0.05)
+    with caplog.at_level("WARNING", logger="cosmos3_batch"):
+        assert engine.drain().compute_s == 0.0
+    assert "device times of the last passes not read" in caplog.text

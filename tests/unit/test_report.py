@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from typer.testing import CliRunner
 
 from cosmos3_batch.cli import app
+from cosmos3_batch.pipeline.job.summary import clocks
 from tests.conftest import write_jsonl
 
 ROWS = [
@@ -115,3 +117,17 @@ def test_report_refuses_a_folder_without_a_run(tmp_path):
 def test_summary_lists_the_prompts_file(finished_run):
     summary = json.loads((finished_run / "summary.json").read_text())
     assert [Path(p).name for p in summary["config"]["prompts"]] == ["p.jsonl"]
+
+
+def test_summary_says_which_clock_each_time_comes_from(finished_run):
+    summary = json.loads((finished_run / "summary.json").read_text())
+    host = "host wall clock"
+    assert summary["clocks"] == {
+        "stall_s": host, "collective_s": host, "compute_s": host, "h2d_s": host, "pass_s": host,
+        "passes_csv": {"duration_s": host, "stall_s": host},
+    }  # fmt: skip
+    on_gpu = clocks(torch.device("cuda"))
+    assert on_gpu["stall_s"] == on_gpu["passes_csv"]["stall_s"] == "cuda events"
+    assert (
+        on_gpu["pass_s"] == on_gpu["passes_csv"]["duration_s"] == "host enqueue (the device may run behind)"
+    )

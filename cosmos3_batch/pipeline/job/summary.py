@@ -84,6 +84,7 @@ def build_summary(
         "outputs_per_minute": round(60 * ok / wall, 3) if wall > 0 else None,
         "ranks": ranks,
         "cache": _cache_shares(ranks),
+        "clocks": clocks(world.device),
         "config": {
             "prompts": [p if p == "-" else str(Path(p).resolve()) for p in cfg.prompts],
             **(cfg.model_source.record() if cfg.model_source else {"model": str(plan.model_dir)}),
@@ -104,6 +105,21 @@ def build_summary(
         "versions": versions(),
         # On CPU the bits depend on MKL's reproducibility mode: what a comparison run must also use.
         "cpu_numerics": cpu_numerics() if world.device.type == "cpu" else None,
+    }
+
+
+def clocks(device) -> dict:
+    """Which clock each time of `ranks` (and of passes.*.csv) was read from. On CUDA the engine's times are
+    device times (CUDA event pairs, every pass's read by the end of the run); the pass loop's own durations
+    are host time from when it issued a pass's work to when it had issued all of it, which on a GPU runs
+    ahead of the device: an enqueue time, not the pass's device time."""
+    cuda = device.type == "cuda"
+    engine = "cuda events" if cuda else "host wall clock"
+    loop = "host enqueue (the device may run behind)" if cuda else "host wall clock"
+    return {
+        **dict.fromkeys(("stall_s", "collective_s", "compute_s", "h2d_s"), engine),
+        "pass_s": loop,
+        "passes_csv": {"duration_s": loop, "stall_s": engine},
     }
 
 

@@ -53,6 +53,7 @@ class LayerWeights(Protocol):
     def begin_pass(self, und: bool) -> None: ...
     def layer(self, index: int, part: str) -> torch.nn.Module: ...
     def end_pass(self) -> Counters: ...
+    def drain(self) -> Counters: ...
 
 
 class PassRecord(NamedTuple):
@@ -155,6 +156,9 @@ class PassRunner:
     def run(self, requests: Iterable[Request]) -> None:
         try:
             self._loop(deque(requests))
+            # The last passes' device times (CUDA events) complete after their end_pass: read them now, so
+            # the run's totals hold every pass. Not after a failure: a dead peer's gather never completes.
+            self.totals.add(self.weights.drain())
         finally:
             # Also when a peer died mid-run: requests already denoised here still get decoded and written.
             self.finisher.close()

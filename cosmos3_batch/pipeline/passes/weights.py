@@ -33,6 +33,9 @@ class ResidentWeights:
     def collect(self) -> Counters:
         return Counters()
 
+    def drain(self) -> Counters:
+        return Counters()
+
     def close(self) -> None:
         pass
 
@@ -81,6 +84,10 @@ class OffloadedWeights:
     def collect(self) -> Counters:
         """Between passes, after a device synchronize (benchmarks): times no end_pass could read yet."""
         return self.engine.collect()
+
+    def drain(self) -> Counters:
+        """After the last pass: the device times no end_pass could read yet (their events waited for)."""
+        return self.engine.drain()
 
     def close(self) -> None:
         self.engine.close()
