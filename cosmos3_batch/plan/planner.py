@@ -278,6 +278,7 @@ def plan_job(
     vae_tiling: bool = False,
     vae_parts: int = 1,
     cache: tuple[SeaSettings, float] | None = None,
+    input_format: str = "auto",
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
@@ -287,8 +288,10 @@ def plan_job(
     from cosmos3_batch.model.limits import limits_for
     from cosmos3_batch.plan.schedule import describe as describe_schedule
     from cosmos3_batch.plan.schedule import in_shard, parse_shard
+    from cosmos3_batch.requests.cosmos_load import mappings as cosmos_mappings
     from cosmos3_batch.requests.fields import MAX_SAMPLES
     from cosmos3_batch.requests.parse import ModelLimits, load_requests
+    from cosmos3_batch.requests.sources import expand
 
     if nproc < 1 or nnodes < 1 or nproc % nnodes:
         raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
@@ -310,7 +313,9 @@ def plan_job(
         if checkpoint
         else ModelLimits(max_vision_tokens=max_vision_tokens)
     )
-    requests = load_requests(prompts, limits, samples=samples, columns=columns, stdin=stdin)[0]
+    requests = load_requests(
+        prompts, limits, samples=samples, columns=columns, stdin=stdin, input_format=input_format
+    )[0]
     if shard is not None:
         index, count = parse_shard(shard)
         requests = [r for r in requests if in_shard(r.id, index, count)]
@@ -329,6 +334,11 @@ def plan_job(
         "predicted_idle_share": assignment.idle_share,
         "total_work": sum(assignment.costs),
     }
+    samples_doc = cosmos_mappings(
+        expand([prompts] if isinstance(prompts, str) else prompts)[0], limits, input_format
+    )
+    if samples_doc:  # NVIDIA samples: how each maps, to check before a long job (requests/cosmos_load.py)
+        doc["cosmos_framework_samples"] = samples_doc
     where = (
         f"{nproc} rank(s)"
         if sp == 1
