@@ -43,12 +43,14 @@ def both(tmp_path, sample: dict, ours: dict, name: str = "s"):
 
 CASES = {
     "text2image": (
-        {"prompt": "a red cube", "model_mode": "text2image", "resolution": "256", "aspect_ratio": "1,1", "seed": 7},
+        {"prompt": "a red cube", "model_mode": "text2image", "resolution": "256", "aspect_ratio": "1,1",
+         "seed": 7},
         {"id": "s", "prompt": "a red cube", "num_frames": 1, "size": "256x256", "seed": 7,
          "num_inference_steps": 50, "guidance_scale": 4.0, "flow_shift": 3.0},
     ),
     "image2video": (
-        {"prompt": "a cat", "vision_path": "c.png", "num_frames": 6, "resolution": "480", "aspect_ratio": "4,3"},
+        {"prompt": "a cat", "vision_path": "c.png", "num_frames": 6, "resolution": "480",
+         "aspect_ratio": "4,3"},
         {"id": "s", "prompt": "a cat", "image": "c.png", "num_frames": 9, "size": "736x544", "fps": 24,
          "num_inference_steps": 35, "guidance_scale": 6.0, "flow_shift": 10.0},
     ),
