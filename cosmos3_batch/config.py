@@ -12,6 +12,7 @@ from cosmos3_batch.io.dataset import FORMATS, LAYOUTS, parse_shard_size, read_re
 from cosmos3_batch.plan.cache import CacheFlags, SeaSettings, parse_cache
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
+from cosmos3_batch.requests.cosmos_read import FORMATS as INPUT_FORMATS
 from cosmos3_batch.requests.fields import MAX_SAMPLES
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -56,6 +57,7 @@ class RunConfig:
     samples_per_prompt: int = 1  # requests naming no "samples" fan out into this many (DESIGN.md §13)
     prompt_column: str | None = None  # table inputs: the column holding the prompt / the id
     id_column: str | None = None
+    input_format: str = "auto"  # auto | cosmos3-batch | cosmos-framework (requests/cosmos_load.py)
     format: str = "files"  # files | webdataset (DESIGN.md §12, io/dataset.py); make_config: --format or OUT's
     layout: str | None = None  # files: flat | nested; None: what OUT holds, else nested above 10k requests
     shard_bytes: int = 10**9  # webdataset: a shard is finalized at this many bytes (0: no byte limit) ...
@@ -108,6 +110,10 @@ class RunConfig:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.layout is not None and (self.layout not in LAYOUTS or self.format != "files"):
             raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, and only with --format files")
+        if self.input_format not in INPUT_FORMATS:
+            raise ValueError(
+                f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}"
+            )
         if not self.prompts:
             raise ValueError("PROMPTS: name at least one request file (or - for standard input)")
         if not 1 <= self.samples_per_prompt <= MAX_SAMPLES:

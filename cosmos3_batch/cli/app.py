@@ -77,6 +77,10 @@ MODEL_HELP = (
 SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
 PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."
 ID_COLUMN_HELP = "Table inputs: the column holding the id."
+INPUT_FORMAT_HELP = (
+    "auto (NVIDIA cosmos-framework sample files told apart by their keys, with a log line), cosmos3-batch "
+    "(this tool's requests), cosmos-framework (NVIDIA's inference samples as they are: docs/requests.md)."
+)
 METRICS_TEXTFILE_HELP = (
     "Rank 0 keeps the job's live figures in this Prometheus text file (for the node exporter's textfile "
     "collector): requests by state, outputs/s, passes, bytes moved, stall, per-rank seconds since progress "
@@ -168,6 +172,7 @@ def run(
     samples_per_prompt: Annotated[int, typer.Option(help=SAMPLES_HELP)] = 1,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
+    input_format: Annotated[str, typer.Option(help=INPUT_FORMAT_HELP)] = "auto",
     format: cli_data.Format = None,
     layout: cli_data.Layout = None,
     shard_size: cli_data.ShardSize = None,
@@ -220,6 +225,7 @@ def run(
             samples_per_prompt=samples_per_prompt,
             prompt_column=prompt_column,
             id_column=id_column,
+            input_format=input_format,
             format=format,
             layout=layout,
             shard_size=shard_size,
@@ -288,6 +294,7 @@ def plan(
     ] = False,
     prompt_column: Annotated[str | None, typer.Option(help=PROMPT_COLUMN_HELP)] = None,
     id_column: Annotated[str | None, typer.Option(help=ID_COLUMN_HELP)] = None,
+    input_format: Annotated[str, typer.Option(help=INPUT_FORMAT_HELP)] = "auto",
     cache: cli_cache.Cache = "none",
     cache_reuse: cli_cache.Reuse = cli_cache.PUBLISHED_REUSE,
 ) -> None:
@@ -312,6 +319,7 @@ def plan(
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
             vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
+            input_format=input_format,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -44,6 +44,7 @@ def plan_job(
     vae_tiling: bool = False,
     vae_parts: int = 1,
     cache: tuple[SeaSettings, float] | None = None,
+    input_format: str = "auto",
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
@@ -61,13 +62,17 @@ def plan_job(
         check_model(sp, checkpoint.config("transformer"))
         check_patchable(checkpoint.config("vae"), vae_parts)
     limits = _limits(checkpoint, max_vision_tokens)
-    requests = load_requests(prompts, limits, samples=samples, columns=columns, stdin=stdin)[0]
+    requests = load_requests(
+        prompts, limits, samples=samples, columns=columns, stdin=stdin, input_format=input_format
+    )[0]
     requests = _in_shard(requests, shard)
     if cache is not None:
         check_cache(cache[0], requests)  # what run refuses with --cache sea, plan refuses too
         check_reuse(cache[1])
     assignment = assign(requests, groups)
     doc, text = _schedule_section(source, requests, assignment, nproc, sp)
+    if samples_doc := _cosmos_samples(prompts, limits, input_format):
+        doc["cosmos_framework_samples"] = samples_doc
     shape = (
         model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
     )
@@ -93,6 +98,14 @@ def plan_job(
         doc.setdefault("warnings", []).append(warning)
         text.append(f"WARNING: {warning}")
     return doc, "\n".join(text)
+
+
+def _cosmos_samples(prompts: str | list[str], limits, input_format: str) -> list[dict]:
+    """NVIDIA samples: how each maps, to check before a long job (requests/cosmos_load.py); else []."""
+    from cosmos3_batch.requests.cosmos_load import mappings
+    from cosmos3_batch.requests.sources import expand
+
+    return mappings(expand([prompts] if isinstance(prompts, str) else prompts)[0], limits, input_format)
 
 
 def _check_flags(nproc: int, nnodes: int, samples: int, sp: int, vae_parts: int, vae_tiling: bool) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cosmos3_batch.requests.actions import ActionSpec, check_action_request, has_action
+from cosmos3_batch.requests.cosmos_load import is_theirs, read_samples, settle
 from cosmos3_batch.requests.fields import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
@@ -74,6 +75,7 @@ class Request:
     transfer: TransferSpec | None = None  # control-conditioned generation (requests/transfer.py)
     source: str = ""  # the file it came from ("<stdin>" for standard input); not part of its record
     unit: str = "line"  # what `line` counts there: line, item (JSON array) or row (Parquet)
+    sample: str | None = None  # an NVIDIA sample's `name` (requests/cosmos_load.py); not part of its record
 
     @property
     def kind(self) -> str:
@@ -108,7 +110,9 @@ class Request:
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-_RECORDED = tuple(f.name for f in dataclasses.fields(Request) if f.name not in ("line", "source", "unit"))
+_RECORDED = tuple(
+    f.name for f in dataclasses.fields(Request) if f.name not in ("line", "source", "unit", "sample")
+)
 # Mode fields and the value that means "not used": such fields are left out of the resolved record.
 _MODE_FIELDS = {
     "video": None,
@@ -233,17 +237,22 @@ def load_requests(
     samples: int = 1,
     columns: Columns = ALL_NAMED,
     stdin: bytes | None = None,
+    input_format: str = "auto",
 ) -> tuple[list[Request], list[RequestError]]:
     """Read and validate request files (paths, globs, "-" for the bytes of `stdin`); raise
-    RequestFileError with all problems unless skip_invalid.
+    RequestFileError with all problems unless skip_invalid. `input_format`: --input-format (auto: NVIDIA
+    cosmos-framework sample files are told apart by their keys, requests/cosmos_load.py).
 
     With skip_invalid the valid requests come back with the errors, for the caller to record.
     """
     arguments = [os.fspath(paths)] if isinstance(paths, str | os.PathLike) else [os.fspath(p) for p in paths]
     found, missing = expand(arguments)
     with no_cycle_collection():
-        sources = [read_source(path, columns, stdin) for path in found]
-        requests, errors = parse_sources(sources, limits, samples)
+        sources = [
+            read_samples(path, limits) if is_theirs(path, input_format) else read_source(path, columns, stdin)
+            for path in found
+        ]
+        requests, errors = settle(sources, *parse_sources(sources, limits, samples))
     errors = [RequestError(0, None, "no file matches this pattern", source=glob) for glob in missing] + errors
     if errors and not skip_invalid:
         raise RequestFileError(", ".join(arguments), errors)

@@ -269,6 +269,7 @@ class ResultWriter:
             "status": "complete",
             "kind": r.kind,
             "request": r.resolved(),
+            **({} if r.sample is None else {"sample": {"name": r.sample, "file": r.source}}),  # NVIDIA's
             "request_hash": r.content_hash(),
             "output_key": output_key(r, self.model_identity, self.cfg.vae_tiling),
             "seed": r.seed,

@@ -99,6 +99,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
             samples=cfg.samples_per_prompt,
             columns=Columns(cfg.prompt_column, cfg.id_column),
             stdin=stdin,
+            input_format=cfg.input_format,
         )
     except (CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
