@@ -29,7 +29,9 @@ from cosmos3_batch.parallel.stall import phase
 from cosmos3_batch.parallel.waiting import WaitMark, peers
 from cosmos3_batch.parallel.world import CPU
 
-_LABELS = {event: phase(event) for event in ("all_to_all", "max", "agree")}  # "an --sp all-to-all", ...
+_LABELS = {
+    event: phase(event) for event in ("all_to_all", "max", "agree", "share")
+}  # "an --sp all-to-all", ...
 
 
 @dataclass
@@ -85,6 +87,18 @@ class SeqGroup:
         with self._waiting("agree"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host)
         return [bool(v) for v in tensor.tolist()]
+
+    def share_lead(self, values: list[float]) -> list[float]:
+        """The group lead's values on every member (a small broadcast on `host`). What each member decides
+        from them is then the same on all: a float that differs by one bit between members (another kernel,
+        another reduction order on a GPU) cannot make one member run layers, and their all-to-alls, that
+        another skips."""
+        if self.note is not None:
+            self.note("share")
+        box = [list(values)]
+        with self._waiting("share"):
+            dist.broadcast_object_list(box, group_src=0, group=self.host)
+        return box[0]
 
 
 def build_seq_group(

@@ -36,6 +36,7 @@ _PHASES = {
     "all_reduce": "the per-pass exchange",
     "all_to_all": "an --sp all-to-all",
     "max": "an --sp agreement",
+    "share": "an --sp group's shared step-cache distances",
     "agree": "an --sp agreement",
     "broadcast": "a VAE group exchange (encode)",
 }

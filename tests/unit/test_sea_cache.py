@@ -202,3 +202,44 @@ def test_inverse_dynamics_is_refused_before_loading(tmp_path, tiny_av_ckpt):
     planned = invoke("plan", prompts, "--model", tiny_av_ckpt, "--cache", "sea")  # plan refuses it alike
     assert planned.exit_code == 2
     assert "--cache sea does not apply to action mode inverse_dynamics" in planned.output
+
+
+class StubGate:
+    """A request's step cache as gate_rank drives it: one distance asked, computed iff it reaches 0.5."""
+
+    def __init__(self, distance: float) -> None:
+        self.distance, self.seen, self.computes = distance, [], [True]
+
+    def begin_gate(self, job) -> list[torch.Tensor]:
+        return [torch.tensor(self.distance, dtype=torch.float64)]
+
+    def end_gate(self, step: int, distances: list[float]) -> None:
+        self.seen = distances
+        self.computes = [distances[0] >= 0.5]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_an_sp_group_gates_with_its_leads_distances(shared):
+    """Issue 48: one member's distance a hair off (another GPU kernel) must not make it run layers, with
+    their all-to-alls, that its partner skips: both resolve with the lead's numbers. Unshared, they differ."""
+    from types import SimpleNamespace
+
+    from cosmos3_batch.parallel.seq_group import SeqGroup
+    from cosmos3_batch.pipeline.kinds.step_cache.cache import gate_rank
+    from tests.unit.test_vae_patch import in_threads
+
+    def member(group):
+        events = []
+        sp = SeqGroup(2, group.index, 0, group.pg, note=events.append, host=group.pg)
+        distance = 0.5 if group.index == 0 else 0.5 - 1e-9  # the partner's read just under the threshold
+        job = SimpleNamespace(cache=StubGate(distance), step_index=3, branches=["cond"])
+        computing = gate_rank([job], sp.share_lead if shared else None)
+        return job.cache.seen, job.cache.computes, computing, events
+
+    lead, partner = in_threads(2, member, timeout_s=30)
+    assert not isinstance(lead, Exception) and not isinstance(partner, Exception), (lead, partner)
+    if shared:
+        assert lead[:3] == partner[:3] == ([0.5], [True], 1)
+        assert lead[3] == partner[3] == ["share"]  # one broadcast, in the group's trace on both
+    else:
+        assert lead[1] != partner[1]

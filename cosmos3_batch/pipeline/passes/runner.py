@@ -123,6 +123,8 @@ class PassRunner:
         self.team = ctx.vae_team
         self.decodes = self.team is not None and self.team.decodes
         self._trace_groups()
+        # --sp with --cache sea: every member gates with its lead's distances (kinds/step_cache/cache.py).
+        self._share = sp.share_lead if sp is not None and cache is not None else None
         # --max-batch-rows: a batched group's transient (MLP gate/up/product above all) grows with its rows.
         # Its und_runs / gen_runs count the UND / GEN half applications (layer x branch).
         self.apply = PartApplier(ctx.split, batch_branches, max_batch_rows, strict=sp is not None)
@@ -175,7 +177,7 @@ class PassRunner:
             active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
             for job, error in failed:
                 self._fail(job, error)
-            computing = gate_rank(active)  # before any layer: which branches run the stack this pass
+            computing = gate_rank(active, self._share)  # before any layer: which branches run this pass
             world = self._exchange(active, slots, computing)
             if world.stop:
                 self._abandon(active, slots)
@@ -190,7 +192,7 @@ class PassRunner:
                 admitted = self._admit(now)
                 # Only the requests just admitted (at their first step: forced to compute): the others were
                 # gated for this step before the exchange, and a second gate would count a reuse twice.
-                gate_rank(admitted)
+                gate_rank(admitted, self._share)
                 active += admitted
                 prefill = self._admit(later)
             # The same decision on every rank (sums only): a pass no branch anywhere computes walks nothing.

@@ -14,6 +14,7 @@ the transformer would be given); the decision is diffusers' resolve_gate (pipeli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -156,15 +157,24 @@ def _selects_vision(job: RequestJob) -> bool:
     return _prepare_cosmos3_raw_vision_metadata(job.ctx.split.transformer, (), kwargs) is not None
 
 
-def gate_rank(jobs: list[RequestJob]) -> int:
+def gate_rank(jobs: list[RequestJob], share: Callable[[list[float]], list[float]] | None = None) -> int:
     """Resolve every job's gates for its current step; the branches that will compute, summed.
 
     Sync point: the rank's one device-to-host read per pass, all of its gates' distances in one `.tolist()`
     (diffusers reads each branch's with its own `float(...)`). Nothing is read on CPU, or when every gate is
-    forced (the first and last steps, a capped run of reuses)."""
+    forced (the first and last steps, a capped run of reuses). `share` (an `--sp` group's `share_lead`,
+    called on every member every time): every member resolves its gates with its lead's distances, so the
+    group's decisions, and so its collectives, are the same on every member."""
     pending = [(job, job.cache.begin_gate(job)) for job in jobs if job.cache is not None]
     asked = [tensor for _, asks in pending for tensor in asks]
     values = torch.stack(asked).tolist() if asked else []
+    if share is not None:
+        lead = share(values)
+        if len(lead) != len(values):
+            raise RuntimeError(
+                f"--sp group: the lead's gates asked {len(lead)} distances, this rank's {len(values)}"
+            )
+        values = lead
     at = 0
     for job, asks in pending:
         job.cache.end_gate(job.step_index, values[at : at + len(asks)])
