@@ -104,7 +104,11 @@ class PatchGroup:
 
     def share_int(self, value: int, root: int = 0) -> int:
         """`value` of pg rank `root`, on every rank of pg."""
-        return int(self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device), root).item())
+        shared = self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device), root)
+        if self.mark is None:  # NCCL: the broadcast returned once queued; the read waits for it
+            return int(_checked(shared.item))
+        with self.mark.waiting(self.what, peers(self.size)):
+            return int(_checked(shared.item))
 
     def _send(self, tensor: torch.Tensor, to: int):
         tensor = tensor.contiguous()

@@ -22,6 +22,7 @@ import torch
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.prompts import tokenize_transfer
+from cosmos3_batch.parallel.stall import peer_failure
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.pipeline.kinds.denoise import RequestFailed, RequestJob, Result
 from cosmos3_batch.pipeline.kinds.samplers import UniPCSampler
@@ -359,6 +360,8 @@ def rejoin(active: list[RequestJob], sp) -> tuple[list[RequestJob], list[tuple[R
         except GroupBroken:
             raise
         except Exception as exc:
+            if peer_failure(exc) is not None:  # the boundary's device work met a lost peer: the job's end
+                raise
             errors.append(f"{type(exc).__name__}: {exc}")
     if sp is not None:
         agreed = sp.agree([error is None for error in errors])
