@@ -40,13 +40,13 @@ from cosmos3_batch.pipeline.job.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
-from cosmos3_batch.pipeline.job.summary import preview, rank_report
+from cosmos3_batch.pipeline.job.summary import describe_invalid, preview, rank_report
 from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.pipeline.passes.weights import weights_report
 from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
-from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
+from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, by_request, load_requests
 from cosmos3_batch.requests.sources import STDIN, Columns
 
 log = logging.getLogger("cosmos3_batch")
@@ -322,8 +322,10 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
         len(plan.requests),
         len(plan.complete),
         preview(r.id for r in plan.complete),
-        len(plan.invalid),
+        len(by_request(plan.invalid)),  # requests, not errors: a line with two errors is one
     )
+    if plan.invalid and world.is_main:
+        log.warning("skipped (--skip-invalid):\n%s", describe_invalid(plan.invalid))
     return plan
 
 

@@ -1,0 +1,93 @@
+"""Inputs and messages as a newcomer meets them (issue 49): a missing input is a configuration error (exit 2)
+in every command that reads one, with or without --skip-invalid; counts count requests, not errors; the
+fixes the messages name exist."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cosmos3_batch.cli import app
+from tests.conftest import write_jsonl
+
+IMAGE = {"id": "img", "prompt": "a red cube", "num_frames": 1, "size": "32x32", "num_inference_steps": 1}
+NO_SUCH_FILE = "cannot read request file: No such file or directory"
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def errors(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture
+def ran(tmp_path: Path) -> Path:
+    """An OUT a run has written to (status and manifest read it)."""
+    (tmp_path / "out" / ".cosmos3_batch").mkdir(parents=True)
+    return tmp_path / "out"
+
+
+@pytest.mark.parametrize("skip", [(), ("--skip-invalid",)], ids=["plain", "skip-invalid"])
+def test_run_of_a_missing_input_exits_2_naming_it(tmp_path: Path, tiny_ckpt: Path, skip: tuple) -> None:
+    missing = tmp_path / "missing.jsonl"
+    out = tmp_path / "out"
+    result = invoke("run", missing, "--model", tiny_ckpt, "--out", out, "--no-progress", *skip)
+    assert result.exit_code == 2
+    assert errors(result) == [f"error: {missing}: {NO_SUCH_FILE}"]
+    assert not out.exists()  # no summary.json recording "line": 0, no folder at all
+
+
+def test_skip_invalid_never_skips_a_missing_input_beside_a_good_one(tmp_path: Path, tiny_ckpt: Path) -> None:
+    good = write_jsonl(tmp_path / "good.jsonl", [IMAGE])
+    missing, empty = tmp_path / "missing.jsonl", tmp_path / "empty.jsonl"
+    empty.write_text("# only a comment\n")
+    args = ("--model", tiny_ckpt, "--out", tmp_path / "out", "--no-progress", "--skip-invalid")
+    result = invoke("run", good, missing, empty, tmp_path / "none*.jsonl", *args)
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-3:] == [
+        f"error: {tmp_path / 'none*.jsonl'}: no file matches this pattern",
+        f"{missing}: {NO_SUCH_FILE}",
+        f"{empty}: no requests in file",
+    ]
+
+
+def test_plan_of_a_missing_input_exits_2(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    result = invoke("plan", missing)
+    assert result.exit_code == 2
+    assert errors(result) == [f"error: {missing}: {NO_SUCH_FILE}"]
+
+
+@pytest.mark.parametrize("command", ["status", "manifest"])
+def test_status_and_manifest_of_a_missing_input_exit_2(ran: Path, command: str) -> None:
+    missing = ran.parent / "missing.jsonl"
+    result = invoke(command, ran, "--input", missing)
+    assert result.exit_code == 2
+    assert errors(result) == [f"error: --input: {missing}: {NO_SUCH_FILE}"]
+    assert not (ran / "manifest.parquet").exists()
+
+
+def test_invalid_counts_requests_each_with_all_its_errors(tmp_path: Path, tiny_ckpt: Path, caplog) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(IMAGE) + '\n{"prompt": "y", "seed": true, "fps": -1}\n')
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="cosmos3_batch"):
+        result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress", "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == f"1 generated, 0 failed, 0 already complete, 1 invalid -> {out}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests_in_file"] == 2
+    fps = {"field": "fps", "error": "must be > 0 and <= 240, got -1.0"}
+    seed = {"field": "seed", "error": "must be an integer, got a boolean (true)"}
+    assert summary["invalid"] == [{"file": str(prompts), "line": 2, "errors": [fps, seed]}]
+    # The terminal shows what was skipped, not only a count.
+    assert caplog.messages[-1] == (
+        f"skipped (--skip-invalid):\n{prompts}: line 2, field 'fps': {fps['error']}\n"
+        f"{prompts}: line 2, field 'seed': {seed['error']}"
+    )
