@@ -91,3 +91,50 @@ def test_invalid_counts_requests_each_with_all_its_errors(tmp_path: Path, tiny_c
         f"skipped (--skip-invalid):\n{prompts}: line 2, field 'fps': {fps['error']}\n"
         f"{prompts}: line 2, field 'seed': {seed['error']}"
     )
+
+
+def test_an_uncached_model_names_the_download_command_the_installed_client_has() -> None:
+    from importlib.metadata import entry_points
+
+    from cosmos3_batch.checkpoint import hub
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts["hf"].startswith("huggingface_hub.")  # `hf download`, as the message says
+    assert "hf download {repo} --revision {revision}" in Path(hub.__file__).read_text()
+
+
+def test_a_table_with_a_caption_column_is_pointed_at_the_column_flags(tmp_path: Path) -> None:
+    from cosmos3_batch.requests.fields import ALLOWED_KEYS
+
+    table = tmp_path / "t.csv"
+    table.write_text("key,caption\na,a red cube\n")
+    result = invoke("plan", table)
+    assert result.exit_code == 2
+    assert result.output == (
+        f"error: {table}: line 2, field 'caption': unknown keys 'caption', 'key' ('caption' holds the "
+        "prompt? pass --prompt-column caption; 'key' holds the id? pass --id-column key); allowed keys: "
+        f"{', '.join(ALLOWED_KEYS)}\n{table}: line 2, field 'prompt': missing: every request needs a "
+        "non-empty prompt\n"
+    )
+    assert invoke("plan", table, "--prompt-column", "caption", "--id-column", "key").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("a.jsonl", '[{"prompt": "x"}]\n', "line 1: each line must be a JSON object, got an array (a JSON "
+         "array? name the file .json, or write one object per line)"),
+        ("a.jsonl", '[{"prompt": "x"},\n{"prompt": "y"}]\n', "line 1: not valid JSON: Expecting value "
+         "(column 18) (a JSON array? name the file .json, or write one object per line)\n{path}: line 2: "
+         "not valid JSON: Extra data (column 16)"),
+        ("a.json", '{"prompt": "x"}\n{"prompt": "y"}\n', "not valid JSON: Extra data (line 2, column 1; one "
+         "object per line is JSONL: name the file .jsonl)"),
+    ],
+    ids=["array-on-one-line", "array-over-lines", "jsonl-as-json"],
+)  # fmt: skip
+def test_a_file_with_the_other_json_suffix_is_told_so(tmp_path: Path, name: str, content: str, message: str):
+    path = tmp_path / name
+    path.write_text(content)
+    result = invoke("plan", path)
+    assert result.exit_code == 2
+    assert result.output == f"error: {path}: {message.format(path=path)}\n"
