@@ -138,3 +138,39 @@ def test_a_file_with_the_other_json_suffix_is_told_so(tmp_path: Path, name: str,
     result = invoke("plan", path)
     assert result.exit_code == 2
     assert result.output == f"error: {path}: {message.format(path=path)}\n"
+
+
+def _output(rid: str, finished: float, denoise_s: float):
+    from cosmos3_batch.io.catalog import Output
+
+    timings = {"prepare_s": 1.0, "denoise_s": denoise_s, "decode_s": 0.5, "write_s": 0.5}
+    return Output(rid, {"timings": timings}, f"{rid}.png", None, finished)
+
+
+def test_generation_time_counts_overlaps_once_and_no_stop() -> None:
+    from cosmos3_batch.io.status import generation_seconds
+
+    # Two outputs of one pass (10 s and 12 s spans ending together), then a stop of 20 minutes, then one
+    # more (5 s): 12 + 5 seconds of generation, not the 20 minutes between.
+    outputs = [_output("a", 1000.0, 8.0), _output("b", 1000.0, 10.0), _output("c", 2205.0, 3.0)]
+    assert generation_seconds(outputs, since=0.0) == 17.0
+    assert generation_seconds(outputs, since=995.0) == 10.0  # clipped to the window
+
+
+def test_status_rate_is_over_generation_time_and_pending_is_null_without_input(
+    tmp_path: Path, tiny_ckpt: Path
+) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", [IMAGE, {**IMAGE, "id": "img2"}])
+    out = tmp_path / "out"
+    assert invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress").exit_code == 0
+    doc = json.loads(invoke("status", out, "--json").output)
+    assert (doc["pending"], doc["pending_known"], doc["outputs_last_hour"]) == (None, False, 2)
+    busy = doc["generation_s_last_hour"]
+    assert 0 < busy < 3600 and doc["outputs_per_hour"] == pytest.approx(2 * 3600 / busy, rel=0.02)
+    text = invoke("status", out).output.splitlines()
+    assert text == [
+        f"{out} (files): 2 requests: 2 done, 0 failed, 0 interrupted, ? (give --input) pending",
+        f"last hour: 2 outputs in {busy:.0f} s of generation ({doc['outputs_per_hour']:.1f}/hour); "
+        "ETA 0.00 h",
+    ]
+    assert json.loads(invoke("status", out, "--json", "--input", prompts).output)["pending"] == 0
