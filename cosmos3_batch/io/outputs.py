@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
-from cosmos3_batch.io.space import disk_errno
+from cosmos3_batch.io.space import check_folder, disk_errno
 
 # The sidecar's `files` keys besides the media, and the suffix of each one's file.
 _SUFFIXES = {"latents": "latents.safetensors", "wav": "wav", "actions": "actions.safetensors",
@@ -154,9 +154,7 @@ def readable_actions(actions, request) -> dict:
 
 def check_writable(out_dir: Path) -> None:
     """Fail before any weight is loaded if --out cannot take files."""
-    if (blocker := _file_in_the_way(out_dir)) is not None:
-        where = "is a file" if blocker == out_dir else f"cannot be made: {blocker} is a file"
-        raise ValueError(f"--out {out_dir}: {where}, not a folder")
+    check_folder(out_dir)  # a file in the way is said so (mkdir says only "File exists")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # mkstemp creates a new file (O_EXCL): a planted symlink is never followed.
@@ -165,15 +163,6 @@ def check_writable(out_dir: Path) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise ValueError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from exc
-
-
-def _file_in_the_way(out_dir: Path) -> Path | None:
-    """--out itself or the nearest of its parents that exists, when that is not a folder (mkdir would say
-    only "File exists" or "Not a directory")."""
-    for path in (out_dir, *out_dir.parents):
-        if path.exists() or path.is_symlink():
-            return None if path.is_dir() else path
-    return None
 
 
 # mkstemp makes 0600 files; finished outputs get the permissions a plain open() would give (others on a
