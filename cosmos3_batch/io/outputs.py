@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
-from cosmos3_batch.io.space import disk_errno
+from cosmos3_batch.io.space import check_folder, disk_errno
 
 # The sidecar's `files` keys besides the media, and the suffix of each one's file.
 _SUFFIXES = {"latents": "latents.safetensors", "wav": "wav", "actions": "actions.safetensors",
@@ -154,6 +154,7 @@ def readable_actions(actions, request) -> dict:
 
 def check_writable(out_dir: Path) -> None:
     """Fail before any weight is loaded if --out cannot take files."""
+    check_folder(out_dir)  # a file in the way is said so (mkdir says only "File exists")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # mkstemp creates a new file (O_EXCL): a planted symlink is never followed.

@@ -25,7 +25,7 @@ from cosmos3_batch.io.space import check_room, output_bytes
 from cosmos3_batch.model.limits import limits_for
 from cosmos3_batch.model.loading import validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
-from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
+from cosmos3_batch.model.prompts import build_helper, load_tokenizer
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0, exit_as_one
 from cosmos3_batch.parallel.sequence import check_model, check_world
@@ -40,13 +40,14 @@ from cosmos3_batch.pipeline.job.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
-from cosmos3_batch.pipeline.job.summary import preview, rank_report
+from cosmos3_batch.pipeline.job.summary import describe_invalid, preview, rank_report
 from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.pipeline.passes.weights import weights_report
 from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
-from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
+from cosmos3_batch.plan.validate import model_limit, token_errors
+from cosmos3_batch.requests.parse import Request, RequestFileError, by_request, load_requests
 from cosmos3_batch.requests.sources import STDIN, Columns
 
 log = logging.getLogger("cosmos3_batch")
@@ -54,31 +55,6 @@ log = logging.getLogger("cosmos3_batch")
 
 class BadInput(ValueError):
     """Bad requests, flags or checkpoint, found before any weight was loaded (exit code 2)."""
-
-
-def token_errors(requests: list[Request], helper, model_limit: int) -> list[RequestError]:
-    """Prompts are tokenized with their templates exactly as generation will; over-long ones are rejected."""
-    errors: list[RequestError] = []
-    seen: set[tuple[str, int]] = set()
-    for r in requests:
-        if (r.source, r.line) in seen:  # the other samples of a line: the same prompts
-            continue
-        seen.add((r.source, r.line))
-        cond, uncond = tokenize(helper, r)
-        limit = min(model_limit, r.max_sequence_length or model_limit)
-        for name, ids in (("prompt", cond), ("negative_prompt", uncond)):
-            if len(ids) > limit:
-                errors.append(
-                    RequestError(
-                        r.line,
-                        name,
-                        f"{len(ids)} tokens after templating exceed the limit of {limit} "
-                        f"({'max_sequence_length' if r.max_sequence_length else 'the model'})",
-                        source=r.source,
-                        unit=r.unit,
-                    )
-                )
-    return errors
 
 
 def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, resume: bool = True) -> Plan:
@@ -125,8 +101,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     # Complete outputs were made from these very prompts by this model: their tokens need no second look
     # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
     done = {r.id for r in complete}
-    limit = int(getattr(tokenizer, "model_max_length", 1 << 30))
-    errors = token_errors([r for r in requests if r.id not in done], helper, limit)
+    errors = token_errors([r for r in requests if r.id not in done], helper, model_limit(tokenizer))
     invalid = invalid + errors
     if invalid and not cfg.skip_invalid:
         raise BadInput(str(RequestFileError(", ".join(cfg.prompts), invalid)))
@@ -323,8 +298,10 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
         len(plan.requests),
         len(plan.complete),
         preview(r.id for r in plan.complete),
-        len(plan.invalid),
+        len(by_request(plan.invalid)),  # requests, not errors: a line with two errors is one
     )
+    if plan.invalid and world.is_main:
+        log.warning("skipped (--skip-invalid):\n%s", describe_invalid(plan.invalid))
     return plan
 
 
