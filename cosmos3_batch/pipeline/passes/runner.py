@@ -34,6 +34,7 @@ from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.kinds.step_cache.cache import gate_rank, tally
 from cosmos3_batch.pipeline.kinds.transfer.chain import rejoin
+from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
 from cosmos3_batch.pipeline.passes.admission import Admission, describe
 from cosmos3_batch.pipeline.passes.apply import PartApplier
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
@@ -139,8 +140,10 @@ class PassRunner:
         self._failed = [0, 0]  # requests failed on this rank: so far, and so far as the exchange has told
         self._moved = Counters()  # the last pass's counters, until the next exchange carries them
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
+        self.ahead = AheadOfAdmission(ctx.helper, ctx.split.dtype)  # Transfer inputs, read off the loop
+        gap = self.rule.chunk_gap
         self.admission = Admission(
-            ctx, self.und_cache, sp, self.rule.chunk_gap, self.finisher.hand_off, self.leads, cache, self.team
+            ctx, self.und_cache, sp, gap, self.finisher.hand_off, self.leads, cache, self.team, self.ahead
         )
 
     def _trace_groups(self) -> None:
@@ -161,6 +164,7 @@ class PassRunner:
             # the run's totals hold every pass. Not after a failure: a dead peer's gather never completes.
             self.totals.add(self.weights.drain())
         finally:
+            self.ahead.close()
             # Also when a peer died mid-run: requests already denoised here still get decoded and written.
             self.finisher.close()
 
@@ -174,6 +178,7 @@ class PassRunner:
                 self.team.check()  # a group decode broke on this rank: end the job (finish/vae_team.py)
             self.finisher.check()  # a decode met a lost peer (its device read): end the job as one
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
+            self.ahead.look(slots.queue)  # the next Transfer requests' files, read and prepared off the loop
             with self.sync.host_read("a Transfer chunk boundary's result"):
                 active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
             for job, error in failed:
