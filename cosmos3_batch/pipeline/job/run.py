@@ -41,7 +41,7 @@ from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.pipeline.job.summary import describe_invalid, preview, rank_report
-from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
+from cosmos3_batch.pipeline.passes.monitor import JobMonitor, final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.pipeline.passes.weights import weights_report
 from cosmos3_batch.plan.cache import check_cache
@@ -190,52 +190,55 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     """The phases of a run: validate and plan (every rank alike), load, run the passes, end."""
     started = time.time()
     _quiet_other_ranks(world)
-    plan = _plan_everywhere(cfg, world)
-    if not plan.requests:  # nothing to do: no weight is read, no bar is shown
-        return end_run(cfg, world, plan, [], started)
-    _agreed(world, _pin_encoder)
-    # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
-    mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
-    loaded = load_model(cfg, world, plan, place)
-    place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
-    ranks = _passes(cfg, world, plan, loaded, mine, stop, started)
-    return end_run(cfg, world, plan, ranks, started)
+    # Rank 0's live figures (--metrics-textfile) from the first second, phase by phase.
+    monitor = start_monitor(cfg, world.world_size, started) if world.is_main else None
+    final = None
+    try:
+        plan = _plan_everywhere(cfg, world)
+        if not plan.requests:  # nothing to do: no weight is read, no bar is shown
+            _phase(monitor, "ending")
+            return end_run(cfg, world, plan, [], started)
+        _agreed(world, _pin_encoder)
+        # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
+        mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
+        _phase(monitor, "loading")
+        loaded = load_model(cfg, world, plan, place)
+        place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
+        ranks = _passes(cfg, world, plan, loaded, mine, stop, monitor)
+        final = final_counts(ranks)
+        _phase(monitor, "ending")
+        return end_run(cfg, world, plan, ranks, started)
+    finally:
+        if monitor is not None:  # also when a peer stalled or the input was bad: the job no longer runs
+            monitor.close(final)
+
+
+def _phase(monitor: JobMonitor | None, name: str) -> None:
+    if monitor is not None:
+        monitor.phase(name)
 
 
 def _passes(
-    cfg: RunConfig,
-    world: World,
-    plan: Plan,
-    loaded: Loaded,
-    mine: list[Request],
-    stop: StopRequest,
-    started: float,
+    cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, mine: list[Request], stop: StopRequest, monitor
 ) -> list[dict]:
     """This rank's queue through the pass loop; every rank's report, gathered."""
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
     writer = _writer(cfg, world, plan, loaded, stop)
-    monitor = None
-    if world.is_main:  # the lag warnings, and --metrics-textfile
-        monitor = start_monitor(cfg, loaded.sync, len(plan.requests), len(plan.complete), started)
+    if monitor is not None:  # the lag warnings, and --metrics-textfile, from the exchange from now on
+        monitor.attach(loaded.sync, len(plan.requests), len(plan.complete))
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
         # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).
         warn_unless_strict(f"--sp {cfg.sp}" if cfg.sp > 1 else "batched branches")
     runner = _runner(cfg, loaded, writer, bar, stop, monitor)
-    final = None
-    try:
-        if monitor is not None:
-            monitor.passes = lambda: (runner.passes, runner.und_passes)
-        drive(cfg, world, runner, mine, writer, bar, stop)
-        gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-        report = rank_report(world, runner, writer, gathers)
-        report["stop"] = stop.record()
-        report["weights"] = weights_report(loaded.ctx.split.fp8, calls=True)
-        ranks = world.all_gather_object(report)
-        final = final_counts(ranks)
-    finally:
-        if monitor is not None:  # also when a peer stalled: the file says the job no longer runs
-            monitor.close(final)
+    if monitor is not None:
+        monitor.passes = lambda: (runner.passes, runner.und_passes)
+    drive(cfg, world, runner, mine, writer, bar, stop)
+    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
+    report = rank_report(world, runner, writer, gathers)
+    report["stop"] = stop.record()
+    report["weights"] = weights_report(loaded.ctx.split.fp8, calls=True)
+    ranks = world.all_gather_object(report)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
     bar.close()
