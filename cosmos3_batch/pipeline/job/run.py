@@ -20,6 +20,7 @@ from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import dataset, outputs
+from cosmos3_batch.io.ffmpeg import pin_encoder
 from cosmos3_batch.io.metrics import MetricsWriter, state_dir
 from cosmos3_batch.io.space import check_room, output_bytes
 from cosmos3_batch.model.limits import limits_for
@@ -325,7 +326,7 @@ def _agreed(world: World, step):
 
 def _pin_encoder() -> None:
     try:
-        outputs.pin_encoder()
+        pin_encoder()
     except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
         raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
 
