@@ -42,6 +42,9 @@ class Estimate:
     # only the rest), and the share of passes guessed to skip their fetch (plan/cache.skip_share).
     cache_reuse: float = 0.0
     skipped_share: float = 0.0
+    # Transfer's controls and decoded pieces kept in host memory per rank (plan/kept_memory.py); SeaCache's
+    # residuals are device_breakdown["cache_residuals"].
+    transfer_host_bytes_per_rank: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

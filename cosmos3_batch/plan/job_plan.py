@@ -3,6 +3,8 @@ the weights' format and the estimate (plan/planner.py)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
@@ -106,7 +108,8 @@ def _cosmos_samples(prompts: str | list[str], limits, input_format: str) -> list
     from cosmos3_batch.requests.cosmos_load import mappings
     from cosmos3_batch.requests.sources import expand
 
-    return mappings(expand([prompts] if isinstance(prompts, str) else prompts)[0], limits, input_format)
+    inputs = [prompts] if isinstance(prompts, str | os.PathLike) else prompts
+    return mappings(expand([str(p) for p in inputs])[0], limits, input_format)
 
 
 def _check_flags(nproc: int, nnodes: int, samples: int, sp: int, vae_parts: int, vae_tiling: bool) -> None:
@@ -174,7 +177,8 @@ def _model_section(
     doc["weights"] = weight_format(checkpoint, shape)
     text = [f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB"]
     tokens = prompt_tokens(checkpoint, requests)
-    est = estimate(shape, requests, tokens, *job, *vae, assignment, cache[1] if cache else 0.0)
+    reuse, order = (cache[1], cache[0].residual_order) if cache else (0.0, None)
+    est = estimate(shape, requests, tokens, *job, *vae, assignment, reuse, order)
     doc["estimate"] = est.to_dict()
     if not plan_text.resolvable(est):
         doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)

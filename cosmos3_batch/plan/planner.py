@@ -27,6 +27,7 @@ from cosmos3_batch.plan.device_memory import (
 )
 from cosmos3_batch.plan.estimate import Estimate
 from cosmos3_batch.plan.hardware import Hardware
+from cosmos3_batch.plan.kept_memory import cache_device_bytes, transfer_host_bytes
 from cosmos3_batch.plan.model_shape import ModelShape
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
@@ -54,10 +55,12 @@ def estimate(
     vae_parts: int = 1,
     assignment: Assignment | None = None,
     reuse: float = 0.0,
+    cache_order: int | None = None,
 ) -> Estimate:
     """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget.
     `vae_parts`: --vae-patch-parallel-size. `assignment`: the schedule of `requests` over the groups, when
-    the caller has it already. `reuse`: --cache sea's share of branch forwards reused (plan/cache.py)."""
+    the caller has it already. `reuse`: --cache sea's share of branch forwards reused (plan/cache.py);
+    `cache_order`: its residual_order (None: no cache), for the residuals it keeps."""
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
     shards = sum(p.shard_bytes for p in shape.parts)
@@ -92,6 +95,10 @@ def estimate(
     slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
     breakdown = _device_breakdown(shape, mode, slots, (kept, transient), (world_size, sp))
     breakdown["vae_decode"] = decode_bytes(shape, requests, vae_tiling, vae_parts)
+    if cache_order is not None:
+        breakdown["cache_residuals"] = cache_device_bytes(
+            requests, max_active, cache_order, shape.hidden, shape.act_bytes
+        )
     device = sum(breakdown.values())
     assignment = assignment if assignment is not None else assign(requests, groups)
     token_steps_per_s = (branches * max_active * gen_len / pass_s) if pass_s > 0 else 0.0
@@ -109,8 +116,9 @@ def estimate(
         est.decode_s = decode_seconds(shape, requests, vae_parts, hw.tflops, hw.gather_gbps)
         est.decode_s_unsplit = decode_seconds(shape, requests, 1, hw.tflops, hw.gather_gbps)
         est.decode_bytes_unsplit = decode_bytes(shape, requests, False)
-    est.warnings = _warnings(est, per_node, hw)
     est.cache_reuse, est.skipped_share = reuse, skipped
+    est.transfer_host_bytes_per_rank = transfer_host_bytes(requests, max_active, shape.act_bytes)
+    est.warnings = _warnings(est, per_node, hw)
     return est
 
 
@@ -199,7 +207,8 @@ def _warnings(est: Estimate, per_node: int, hw: Hardware) -> list[str]:
             )
         total = est.device_bytes_per_rank / 2**30
         notes.append(f"device memory {total:.1f} GiB > --device-gib {hw.device_gib:g}: {fix}")
-    host_node = est.host_private_bytes_per_rank * per_node + est.page_cache_bytes_per_node
+    host_rank = est.host_private_bytes_per_rank + est.transfer_host_bytes_per_rank
+    host_node = host_rank * per_node + est.page_cache_bytes_per_node
     if host_node > hw.host_gib_per_node * 2**30:
         notes.append(
             f"host memory {host_node / 2**30:.1f} GiB per node > --host-gib {hw.host_gib_per_node:g}: "

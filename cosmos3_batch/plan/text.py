@@ -18,6 +18,7 @@ BREAKDOWN_NOTES = {
     "batched_transient": ": the largest layer call's working set (--max-batch-rows)",
     "vae_decode": ": the finisher's peak for the largest output (one decode at a time)",
     "runtime_overhead": ": CUDA context, GEMM workspaces, NCCL communicators (constants)",
+    "cache_residuals": ": --cache sea, each request's residuals and stack input per GEN branch",
 }
 
 
@@ -35,6 +36,16 @@ def describe(est: Estimate) -> str:
         ),
         ("layer weights (padded)", _size(est.layer_bytes)),
         ("host private per rank", f"{_size(est.host_private_bytes_per_rank)} (shards + embeddings)"),
+        *(
+            [
+                (
+                    "  + Transfer per rank",
+                    f"{_size(est.transfer_host_bytes_per_rank)} (controls, decoded chunks)",
+                )
+            ]
+            if est.transfer_host_bytes_per_rank
+            else []
+        ),
         ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
         (
             "device per rank",

@@ -8,6 +8,7 @@ meta-device modules are built, no weight is read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
@@ -74,6 +75,6 @@ def checked_requests(
     if checkpoint is not None:
         invalid += checkpoint_token_errors(checkpoint, requests)
     if invalid:
-        inputs = [prompts] if isinstance(prompts, str) else list(prompts)
+        inputs = [prompts] if isinstance(prompts, str | os.PathLike) else list(prompts)
         raise RequestFileError(", ".join(map(str, inputs)), invalid)
     return requests

@@ -18,9 +18,12 @@ import torch
 
 from cosmos3_batch.pipeline.kinds.transfer import chunks
 from cosmos3_batch.pipeline.kinds.transfer.controls import derive
+from cosmos3_batch.plan.kept_memory import TRANSFER_AHEAD
 from cosmos3_batch.requests.transfer import AUTO
 
-AHEAD = 2  # Transfer requests prepared ahead of admission per rank: each holds its controls in host memory
+AHEAD = (
+    TRANSFER_AHEAD  # requests prepared ahead of admission per rank: each holds its controls in host memory
+)
 
 
 @dataclass
