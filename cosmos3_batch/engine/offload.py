@@ -22,7 +22,14 @@ from cosmos3_batch.checkpoint.reader import CheckpointFileError, TensorStore
 from cosmos3_batch.engine.host import FileReader, HostShards, local_sources
 from cosmos3_batch.engine.layout import ALIGN, ParamSpec, PartLayout, build_part_layout, layout_digest
 from cosmos3_batch.engine.slots import SlotScheduler
-from cosmos3_batch.engine.transport import Counters, CpuBackend, FetchSource, OffloadMode, fetch_bytes
+from cosmos3_batch.engine.transport import (
+    Counters,
+    CpuBackend,
+    FetchSource,
+    OffloadMode,
+    collective_call,
+    fetch_bytes,
+)
 
 log = logging.getLogger("cosmos3_batch")
 
@@ -139,7 +146,8 @@ class LayerOffload:
         # Sized by the group, not by our config: a rank configured with the wrong world size must get the
         # same clear error as the others, not an IndexError inside the exchange.
         digests: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(digests, self.digest, group=self.group)
+        with collective_call("the layout digests' exchange"):
+            dist.all_gather_object(digests, self.digest, group=self.group)
         if len(set(digests)) != 1 or len(digests) != self.config.world_size:
             ranks = ", ".join(f"rank {r}: {str(d)[:12]}" for r, d in enumerate(digests))
             raise LayoutMismatch(

@@ -12,8 +12,10 @@ What a fetch does is the same on every backend (`fill_slot`); *where* it runs di
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
@@ -115,6 +117,29 @@ def copy_in(src: FetchSource, index: int, slot: torch.Tensor, non_blocking: bool
         buf.copy_(src.host.shard(index), non_blocking=non_blocking)
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective call of ours raised (gloo and NCCL raise a plain RuntimeError or a DistError): a peer
+    stalled or died, told apart by how long the call waited (parallel/stall.py), never by its words.
+    Errors that are not a collective's (a failed read, a shape mismatch in our compute) never become one."""
+
+    def __init__(self, what: str, cause: BaseException, waited_s: float):
+        super().__init__(f"{what}: {type(cause).__name__}: {cause}")
+        self.what, self.waited_s = what, waited_s
+
+
+@contextlib.contextmanager
+def collective_call(what: str) -> Iterator[None]:
+    """Around one call into torch.distributed: what it raises becomes CollectiveFailed, with the seconds it
+    waited (a stalled peer makes it wait out the group's timeout; a dead one's closed connection does not)."""
+    start = time.monotonic()
+    try:
+        yield
+    except CollectiveFailed:
+        raise
+    except RuntimeError as exc:
+        raise CollectiveFailed(what, exc, time.monotonic() - start) from exc
+
+
 def _all_gather_op():
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns FutureWarning on
     # every call, so once per rank per part); torch 2.11 (the GPU image) has only the old name.
@@ -137,7 +162,8 @@ def gather(src: FetchSource, index: int, slot: torch.Tensor) -> None:
     buf = slot[: layout.nbytes]
     lo, hi = layout.shard_range(src.rank)
     shard = buf[lo:hi] if src.mode is OffloadMode.ALLGATHER else src.host.shard(index)
-    ALL_GATHER(buf, shard, group=src.group)
+    with collective_call(f"the gather of part {index}"):
+        ALL_GATHER(buf, shard, group=src.group)
 
 
 def host_gather(src: FetchSource, index: int, out: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import collective_call
 from cosmos3_batch.parallel.sequence import group_ranks
 from cosmos3_batch.parallel.stall import phase
 from cosmos3_batch.parallel.waiting import WaitMark, peers
@@ -65,7 +66,7 @@ class SeqGroup:
             row = "x".join(map(str, send.shape[1:]))
             self.note(f"all_to_all:{','.join(map(str, split))}:{row}")
         out = send.new_empty((sum(recv_rows), *send.shape[1:]))
-        with self._waiting("all_to_all"):
+        with self._waiting("all_to_all"), collective_call(_LABELS["all_to_all"]):
             dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
         return out
 
@@ -75,7 +76,7 @@ class SeqGroup:
         if self.note is not None:
             self.note(f"max:{value.numel()}")
         out = value.reshape(-1).to(self.device, torch.float32)
-        with self._waiting("max"):
+        with self._waiting("max"), collective_call(_LABELS["max"]):
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out.reshape(value.shape)
 
@@ -84,7 +85,7 @@ class SeqGroup:
         if self.note is not None:
             self.note(f"agree:{len(flags)}")
         tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64)
-        with self._waiting("agree"):
+        with self._waiting("agree"), collective_call(_LABELS["agree"]):
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host)
         return [bool(v) for v in tensor.tolist()]
 
@@ -96,7 +97,7 @@ class SeqGroup:
         if self.note is not None:
             self.note("share")
         box = [list(values)]
-        with self._waiting("share"):
+        with self._waiting("share"), collective_call(_LABELS["share"]):
             dist.broadcast_object_list(box, group_src=0, group=self.host)
         return box[0]
 

@@ -1,13 +1,16 @@
 """A peer that stalled or died (DESIGN.md §20): which rank did not come, where the job was, one line, exit 69.
 
-A collective that times out (gloo: "Timed out waiting 30000ms for recv operation", NCCL's watchdog) or
-loses its connection ("Connection closed by peer") reaches every surviving rank as a plain RuntimeError,
-at slightly different moments: each times out `--collective-timeout-s` after it began to wait. The
-exception names no rank. So the survivors meet once more, outside the broken process groups, in the job's
-key-value store (torchrun's agent hosts it; the `run` of `tests/dist/jobs.py` lets rank 0 host it): each
-checks in, waits up to `BOUND_S` (at most the timeout) for the others, and the ranks that never checked
-in are the ones named. The first survivor to decide speaks for all (a compare-and-set in the store): one
-line, no traceback. Nothing here runs per pass: the store is touched only after a collective failed.
+A collective that times out (gloo's recv timeout, NCCL's watchdog) or loses its connection (a peer's closed
+socket) reaches every surviving rank as a plain RuntimeError or a DistError, at slightly different moments:
+each times out `--collective-timeout-s` after it began to wait. Every call into torch.distributed is wrapped
+(engine/transport.py `collective_call`), so such an error arrives as a CollectiveFailed that knows how long
+it waited: `peer_failure` tells a peer's failure from our own crash by that type, never by a message's
+words. The exception names no rank. So the survivors meet once more, outside the broken process groups,
+in the job's key-value store (torchrun's agent hosts it; the `run` of `tests/dist/jobs.py` lets rank 0 host
+it): each checks in, waits up to `BOUND_S` (at most the timeout) for the others, and the ranks that never
+checked in are the ones named. The first survivor to decide speaks for all (a compare-and-set in the
+store): one line, no traceback. Nothing here runs per pass: the store is touched only after a collective
+failed.
 
 Where the job was comes from `Place`, which the pass loop keeps up to date for free: its trace already
 notes every collective it is about to issue (pipeline/passes/runner.py PassSync.note).
@@ -23,16 +26,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import CollectiveFailed
+
 log = logging.getLogger("cosmos3_batch")
 
 BOUND_S = 60.0  # the longest the survivors wait for each other after their own timeout fired
 STALLED, DIED = "stalled", "died"
 REQUEUE = "finished outputs are written. Requeue the job: a rerun generates exactly the rest (exit 69)"
-# How gloo and NCCL say it (lower case); a message with none of these is a crash of our own, not a peer.
-_MARKERS = {
-    STALLED: ("timed out", "timeout", "monitoredbarrier"),
-    DIED: ("connection closed", "connection reset", "broken pipe", "remote process exited", "aborted"),
-}
+STALL_SHARE = 0.9  # of the stage's timeout: a collective that waited this long was waiting out a stall
 # The trace's event prefixes (pipeline/passes/runner.py, parallel/seq_group.py, parallel/vae_group.py).
 _PHASES = {
     "all_reduce": "the per-pass exchange",
@@ -45,20 +46,24 @@ _PHASES = {
 }
 
 
-def peer_failure(exc: BaseException) -> str | None:
-    """STALLED or DIED when `exc` (or what it was raised from) is a collective a peer failed, else None."""
+def peer_failure(exc: BaseException, timeout_s: float | None = None) -> str | None:
+    """STALLED or DIED when `exc` (or what it was raised from) is a collective a peer failed, else None.
+
+    By what failed, never by the words of a message: one of our collective calls (CollectiveFailed, raised
+    around every call into torch.distributed; a VAE group message's PeerLost) is a stall when it waited out
+    the stage's `timeout_s` (a stalled peer makes it wait the group's timeout), else a death (a closed
+    connection comes at once); torch's own DistNetworkError is a lost connection and its DistBackendError
+    (NCCL's watchdog or an aborted communicator, met at a host read of a stream) a peer that never came.
+    Anything else, whatever its text, is a crash of this rank's own."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, dist.DistBackendError | dist.DistNetworkError):
-            # The backend's own error (NCCL's watchdog, an aborted communicator, the store's connection): a
-            # peer's by its type, wherever the host met it (a collective, or a read of a stream it stalled).
-            text = str(seen).lower()
-            return STALLED if any(marker in text for marker in _MARKERS[STALLED]) else DIED
-        if isinstance(seen, RuntimeError):
-            text = str(seen).lower()
-            for kind, markers in _MARKERS.items():
-                if any(marker in text for marker in markers):
-                    return kind
+        if isinstance(seen, CollectiveFailed):
+            stalled = timeout_s is not None and seen.waited_s >= STALL_SHARE * timeout_s
+            return STALLED if stalled else DIED
+        if isinstance(seen, dist.DistNetworkError):
+            return DIED
+        if isinstance(seen, dist.DistBackendError):
+            return STALLED
         seen = seen.__cause__
     return None
 

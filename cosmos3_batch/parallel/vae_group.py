@@ -33,6 +33,7 @@ which on rank 0 is its global rank (rank 0's groups are ranks 0..S-1).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -40,6 +41,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import CollectiveFailed
 from cosmos3_batch.model.vae_patch import Shard
 from cosmos3_batch.parallel.sequence import group_ranks
 from cosmos3_batch.parallel.stall import phase
@@ -51,15 +53,16 @@ class GroupBroken(RuntimeError):
     (pipeline/finish/vae_team.py says when). Its message says what failed, on this rank."""
 
 
-class PeerLost(RuntimeError):
+class PeerLost(CollectiveFailed):
     """A message of the group could not be sent or received: a peer rank died or stalled."""
 
 
 def _checked(call: Callable):
+    start = time.monotonic()
     try:
         return call()
     except RuntimeError as exc:
-        raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+        raise PeerLost("a VAE group message", exc, time.monotonic() - start) from exc
 
 
 class _Work:

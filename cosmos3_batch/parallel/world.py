@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import collective_call
+
 CPU = torch.device("cpu")
 
 # A dead peer must reach Python as an exception (so the finisher's decoded outputs still get written and
@@ -57,25 +59,23 @@ class World:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier(group=self.main_group)
+            with collective_call("a barrier"):
+                dist.barrier(group=self.main_group)
 
     def wait_for_ranks(self, timeout_s: float, what: str) -> None:
         """A barrier with its own deadline (start-up work such as loading takes far longer than any pass):
         gloo's monitored barrier, on the host exchange group, names the ranks that did not arrive."""
         if not self.distributed:
             return
-        try:
+        with collective_call(f"ranks finishing {what} within --load-timeout-s {timeout_s:g}"):
             dist.monitored_barrier(group=self.exchange_group, timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"ranks did not finish {what} within --load-timeout-s {timeout_s:g}: {exc}"
-            ) from exc
 
     def all_gather_object(self, obj) -> list:
         if not self.distributed:
             return [obj]
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.main_group)
+        with collective_call("an exchange of the ranks' records"):
+            dist.all_gather_object(out, obj, group=self.main_group)
         return out
 
     def broadcast_object(self, obj):
@@ -84,7 +84,8 @@ class World:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.main_group)
+        with collective_call("rank 0's broadcast"):
+            dist.broadcast_object_list(box, src=0, group=self.main_group)
         return box[0]
 
 

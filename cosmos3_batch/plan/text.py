@@ -35,26 +35,7 @@ def describe(est: Estimate) -> str:
             f"{est.world_size} x {est.nnodes}  (--offload {est.mode}, --max-active {est.max_active})",
         ),
         ("layer weights (padded)", _size(est.layer_bytes)),
-        ("host private per rank", f"{_size(est.host_private_bytes_per_rank)} (shards + embeddings)"),
-        *(
-            [
-                (
-                    "  + Transfer per rank",
-                    f"{_size(est.transfer_host_bytes_per_rank)} (controls, decoded chunks)",
-                )
-            ]
-            if est.transfer_host_bytes_per_rank
-            else []
-        ),
-        ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
-        (
-            "device per rank",
-            f"{_size(est.device_bytes_per_rank)}, of which:",
-        ),
-        *(
-            (f"  {name}", _size(nbytes) + BREAKDOWN_NOTES.get(name, ""))
-            for name, nbytes in est.device_breakdown.items()
-        ),
+        *_memory_rows(est),
         (
             "per pass per rank",
             f"{_size(est.bytes_h2d_per_pass)} H2D, {_size(est.bytes_gathered_per_pass)} gathered",
@@ -113,6 +94,23 @@ def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, wit
             f"weight bytes per rank   {_size(sim.bytes_per_rank)} over the run",
         ]
     return "\n".join(lines)
+
+
+def _memory_rows(est: Estimate) -> list[tuple[str, str]]:
+    """Host memory per rank and node, then device memory per rank by what holds it."""
+    rows = [("host private per rank", f"{_size(est.host_private_bytes_per_rank)} (shards + embeddings)")]
+    if est.transfer_host_bytes_per_rank:
+        rows.append(
+            ("  + Transfer per rank", f"{_size(est.transfer_host_bytes_per_rank)} (controls, decoded chunks)")
+        )
+    rows += [
+        ("page cache per node", f"{_size(est.page_cache_bytes_per_node)} kept hot"),
+        ("device per rank", f"{_size(est.device_bytes_per_rank)}, of which:"),
+    ]
+    return rows + [
+        (f"  {name}", _size(nbytes) + BREAKDOWN_NOTES.get(name, ""))
+        for name, nbytes in est.device_breakdown.items()
+    ]
 
 
 def _size(nbytes: float) -> str:

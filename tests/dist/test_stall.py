@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -197,3 +198,19 @@ def test_stalled_ranks_end_the_job_with_69_in_one_line_and_the_rerun_does_exactl
         print(f"SIGSTOP of {name} -> survivors' exit 69: {times}; launcher {stalled.seconds:.1f} s")
     print(f"{after_first} then {before} outputs before the rerun; {left} temporaries left by the stops")
     print("\n".join([*lines, said]))
+
+
+def test_a_local_error_that_speaks_of_a_timeout_exits_1_not_69(tmp_path, tiny_ckpt):
+    """Issue 43: a rank's own RuntimeError whose text says "timed out" and "Connection closed by peer" is
+    its own crash (exit 1, its traceback), not a peer's stall: only a collective call's failure is a peer's.
+    Rank 0, whose load barrier then loses rank 1, is the one that sees a peer go."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", ROWS[:2])
+    launch = [sys.executable, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
+    args = ["run", str(prompts), "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--no-progress"]
+    done = subprocess.run(
+        [*launch, "-m", "tests.dist.local_error_worker", *args, "--collective-timeout-s", str(TIMEOUT_S)],
+        env=ENV, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "reading /ckpt/transformer timed out" in done.stderr
+    assert "stalled" not in done.stderr.splitlines()[-1]

@@ -9,27 +9,45 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import CollectiveFailed, collective_call
 from cosmos3_batch.parallel.stall import DIED, STALLED, Place, peer_failure, post_mortem
+from cosmos3_batch.parallel.vae_group import PeerLost
 from tests.dist.jobs import free_port
 
 GLOO_TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"
 
 
-def test_a_timeout_is_a_stall_a_closed_connection_a_death_and_anything_else_our_own_crash():
-    assert peer_failure(RuntimeError(GLOO_TIMEOUT)) == STALLED
-    assert peer_failure(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")) == DIED
+def test_a_collective_that_waited_out_its_timeout_is_a_stall_a_quick_failure_a_death():
+    # By what failed and how long it waited, never by the words of a message (issue 43).
+    timeout = RuntimeError(GLOO_TIMEOUT)
+    assert peer_failure(CollectiveFailed("the per-pass exchange", timeout, 29.5), timeout_s=30) == STALLED
+    closed = RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    assert peer_failure(CollectiveFailed("the per-pass exchange", closed, 0.2), timeout_s=30) == DIED
     wrapped = RuntimeError("a group VAE walk broke midway, a message failed")
-    wrapped.__cause__ = RuntimeError("Connection reset by peer")
-    assert peer_failure(wrapped) == DIED
+    wrapped.__cause__ = PeerLost("a VAE group message", closed, 0.1)
+    assert peer_failure(wrapped, timeout_s=30) == DIED
+
+
+def test_a_local_error_is_our_own_crash_whatever_its_text_says():
+    for text in (GLOO_TIMEOUT, "timed out reading the config", "Connection closed by peer", "aborted"):
+        assert peer_failure(RuntimeError(text)) is None
+        assert peer_failure(ValueError(text)) is None
     assert peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
-    assert peer_failure(ValueError("timed out")) is None  # only the errors a collective raises
+
+
+def test_only_a_call_into_torch_distributed_becomes_a_collective_failure():
+    with pytest.raises(CollectiveFailed) as raised, collective_call("the per-pass exchange"):
+        raise RuntimeError("Connection closed by peer")
+    assert raised.value.what == "the per-pass exchange" and raised.value.waited_s >= 0
+    with pytest.raises(ValueError), collective_call("the per-pass exchange"):
+        raise ValueError("not a collective's error type")
 
 
 def test_a_backend_error_is_a_peer_by_its_type_wherever_the_host_met_it():
     # NCCL's watchdog and an aborted communicator reach a host read of a stream (a `.tolist()`, a decode's
-    # `.cpu()`) as DistBackendError: a lost peer (exit 69), never this rank's own compute.
+    # `.cpu()`) as DistBackendError: a peer that never came (exit 69), never this rank's own compute.
     assert peer_failure(dist.DistBackendError("Watchdog caught collective operation timeout")) == STALLED
-    assert peer_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1")) == DIED
+    assert peer_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1")) == STALLED
     assert peer_failure(dist.DistNetworkError("failed to recv, got 0 bytes")) == DIED
     place = Place(timeout_s=30)
     place.enter("passes", 30, "--collective-timeout-s")

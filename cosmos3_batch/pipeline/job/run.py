@@ -154,7 +154,7 @@ def _recorded(cfg: RunConfig, stop: StopRequest) -> Outcome:
         except BadInput as exc:  # raised on every rank (`_agreed`): one of them says it
             return Outcome(ExitCode.BAD_INPUT, None, str(exc) if world.is_main else None)
         except Exception as exc:
-            if not world.distributed or (kind := peer_failure(exc)) is None:
+            if not world.distributed or (kind := peer_failure(exc, place.timeout_s)) is None:
                 raise  # a crash of our own: torchelastic's error file and the traceback
             return _peer_lost(world, kind, place, exc)
     finally:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cosmos3_batch.engine.transport import collective_call
 from cosmos3_batch.parallel.stall import Place, phase
 from cosmos3_batch.parallel.waiting import WaitMark, peers
 from cosmos3_batch.plan.prefill import SlotReport
@@ -98,7 +99,7 @@ class PassSync:
         self.waiting_since = time.monotonic()
         if self.world_size > 1:
             tensor = torch.tensor(values, dtype=torch.int64)
-            with self.waiting.waiting(EXCHANGE, peers(self.world_size)):
+            with self.waiting.waiting(EXCHANGE, peers(self.world_size)), collective_call(EXCHANGE):
                 dist.all_reduce(tensor, group=self.group)
             values = tensor.tolist()
         self.last_exchange = time.monotonic()
