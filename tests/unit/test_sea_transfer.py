@@ -155,8 +155,9 @@ def test_bit_exact_and_same_decisions_per_branch(tiny_ckpt, requests_, reference
 
 
 def test_the_switched_branches_reuse_too(requests_, reference, tiny_ckpt):
-    """Guards the job: each of Transfer's three branches reuses somewhere, the intervals switch two of
-    them within a chunk, and the chain's second chunk starts computing again (the reference's reset)."""
+    """Guards the job: the intervals switch two of Transfer's three branches within a chunk (off at some
+    steps, run at others), some branch reuses, the chain's second chunk starts computing again (the
+    reference's reset), and where a branch is off is where plan/branches.py says it is."""
     two = reference["default-fields-0.5", "two"][2]
     chain = reference["default-fields-0.5", "chain"][2]
     assert sorted(two) == ["cond", "cond_no_control", "uncond"]
