@@ -8,6 +8,8 @@ computes walks no layer, and plan's simulator given the recorded decisions count
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import imageio
 import numpy as np
 import pytest
@@ -207,3 +209,26 @@ def test_plan_takes_transfer_under_the_cache(tiny_ckpt, requests_):
     assert cached["cache"] == {**SeaSettings().record(), "reuse": 0.5}
     assert cached["estimate"]["seconds_per_pass"] < plain["estimate"]["seconds_per_pass"]
     assert cached["simulation"] == plain["simulation"]
+
+
+def test_run_takes_transfer_under_the_cache_and_records_its_branches(tmp_path, tiny_ckpt, requests_):
+    """`run --cache sea` on a Transfer request (refused with exit 2 before issue 43): exit 0, and its sidecar
+    records the three branches' decisions over both chunks, the forwards counted from them."""
+    import json
+
+    from tests.unit.test_sea_cache import invoke
+
+    out = tmp_path / "out"
+    source = requests_[0].source  # the chain alone: its files are next to the request file
+    (line,) = [line for line in Path(source).read_text().splitlines() if '"chain"' in line]
+    prompts = Path(source).parent / "chain.jsonl"
+    prompts.write_text(line + "\n")
+    result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress", "--cache", "sea")
+    assert result.exit_code == 0, result.output
+    cache = json.loads((out / "chain.json").read_text())["cache"]
+    decisions = cache["decisions"]
+    assert sorted(decisions) == ["cond", "cond_no_control", "uncond"]
+    assert {len(d) for d in decisions.values()} == {2 * BASE["num_inference_steps"]}
+    assert "-" in decisions["uncond"]
+    for name, d in decisions.items():
+        assert cache["forwards"][name] == {"computed": d.count("C"), "reused": d.count("R")}, name
