@@ -88,17 +88,21 @@ def steps_and_texts(request) -> tuple[int, int]:
     return request.num_inference_steps * request.transfer.num_chunks, texts
 
 
-def sim_request(request, chunk_gap: int) -> SimRequest:
+def sim_request(request, chunk_gap: int, decisions: str = "") -> SimRequest:
     """The simulator's stand-in for a request. A Transfer chain holds its slot from its first step to its
     last: its chunks' steps, and `chunk_gap` passes between chunks on which it computes nothing (replayed
-    as reusing steps, "R": a pass on which nothing anywhere computes walks no layer, as in the runner)."""
+    as reusing steps, "R": a pass on which nothing anywhere computes walks no layer, as in the runner).
+    `decisions`: a --cache sea run's, one letter per step over every chunk (plan/cache.step_decisions of
+    its sidecar's `cache.decisions`), the gaps not in it."""
     steps, texts = steps_and_texts(request)
+    assert not decisions or len(decisions) == steps, (request.id, decisions)
     transfer = request.transfer
     if transfer is None or transfer.num_chunks == 1 or chunk_gap == 0:
-        return SimRequest(request.id, steps, texts)
-    chunk = "C" * request.num_inference_steps
-    decisions = (chunk + "R" * chunk_gap) * (transfer.num_chunks - 1) + chunk
-    return SimRequest(request.id, len(decisions), texts, decisions)
+        return SimRequest(request.id, steps, texts, decisions)
+    per = request.num_inference_steps
+    chunks = [decisions[k * per : (k + 1) * per] or "C" * per for k in range(transfer.num_chunks)]
+    joined = ("R" * chunk_gap).join(chunks)
+    return SimRequest(request.id, len(joined), texts, joined)
 
 
 def transfer_work(requests) -> dict | None:

@@ -74,15 +74,12 @@ def cache_record(settings: SeaSettings | None) -> dict:
 def check_cache(settings: SeaSettings | None, requests: list) -> None:
     """Refuse `--cache sea` for requests diffusers never caches: its Cosmos3 adapter gates on the noisy
     vision latents, and inverse dynamics has none (every frame is given): the reference runs each of its
-    forwards full, so a cache there would only pretend. ValueError naming the first such request."""
+    forwards full, so a cache there would only pretend. ValueError naming the first such request. Transfer is
+    cached as the modular pipeline caches it: per branch (cond, cond_no_control, uncond) while its interval
+    has it on, its gate on the target's latents (its clean controls are not in the indicator)."""
     if settings is None:
         return
     for r in requests:
-        if getattr(r, "transfer", None) is not None:  # not yet: Transfer's up to three branches per step
-            raise ValueError(
-                f"request {r.id!r}: --cache sea is not combined with Transfer yet (its branches per step "
-                "switch by interval; the cache gates cond and uncond only); run Transfer without --cache"
-            )
         if r.action is not None and r.action.mode == "inverse_dynamics":
             raise ValueError(
                 f"request {r.id!r}: --cache sea does not apply to action mode inverse_dynamics (all of its "
@@ -114,7 +111,9 @@ def check_reuse(reuse: float) -> float:
 
 def step_decisions(branches: dict[str, str]) -> str:
     """One request's per-step decisions for the simulator from its sidecar's `cache.decisions` (per branch,
-    "C" computed, "R" reused): "C" where some branch ran the decoder stack, "R" where every branch reused."""
+    "C" computed, "R" reused, "-" not run at that step: a Transfer axis its interval turns off): "C" where
+    some branch ran the decoder stack, "R" where every branch that ran reused. A Transfer chain's steps run
+    over all of its chunks (plan/branches.sim_request puts its boundary passes between them)."""
     columns = zip(*branches.values(), strict=True)
     return "".join("C" if "C" in column else "R" for column in columns)
 

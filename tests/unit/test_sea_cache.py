@@ -208,7 +208,7 @@ class StubGate:
     """A request's step cache as gate_rank drives it: one distance asked, computed iff it reaches 0.5."""
 
     def __init__(self, distance: float) -> None:
-        self.distance, self.seen, self.computes = distance, [], [True]
+        self.distance, self.seen, self.computes, self.names = distance, [], [True], ("cond",)
 
     def begin_gate(self, job) -> list[torch.Tensor]:
         return [torch.tensor(self.distance, dtype=torch.float64)]
@@ -232,7 +232,8 @@ def test_an_sp_group_gates_with_its_leads_distances(shared):
         events = []
         sp = SeqGroup(2, group.index, 0, group.pg, note=events.append, host=group.pg)
         distance = 0.5 if group.index == 0 else 0.5 - 1e-9  # the partner's read just under the threshold
-        job = SimpleNamespace(cache=StubGate(distance), step_index=3, branches=["cond"])
+        job = SimpleNamespace(cache=StubGate(distance), step_index=3, gen_branches=lambda: ["cond"])
+        job.step_names = lambda: ("cond",)  # the reference's context names of this step's branches
         computing = gate_rank([job], sp.share_lead if shared else None)
         return job.cache.seen, job.cache.computes, computing, events
 

@@ -21,7 +21,7 @@ from cosmos3_batch.model.ulysses import SeqShard
 from cosmos3_batch.parallel.sequence import check_model, shard_rows
 from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.samplers import make_sampler
-from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache, stack_output
+from cosmos3_batch.pipeline.kinds.step_cache.cache import GateView, StepCache, stack_output
 from cosmos3_batch.pipeline.kinds.streams import ExtraStream, action_latents, mask_velocities, sound_stream
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Result:
     actions: torch.Tensor | None = None  # [T, D] float32: the reference's `.action[0]` (inverse dyn., policy)
 
 
-class RequestJob:
+class RequestJob(GateView):
     def __init__(
         self, ctx: ModelContext, request: Request, und_cache: bool = True, sp: SeqGroup | None = None
     ):
@@ -312,7 +312,7 @@ class RequestJob:
             ]
             hidden = torch.cat([hidden, *extra], dim=0)
         if self.cache is not None:  # the decoder stack's input, which a reusing branch adds its residual to
-            self.cache.gen_in = hidden
+            self.cache.inputs = dict.fromkeys(self.cache.names, hidden)
         for branch in self.branches:
             # Under --sp every rank embeds the whole stream (cheap, and the same op as the reference) and
             # keeps its rows.

@@ -26,6 +26,7 @@ from cosmos3_batch.parallel.stall import peer_failure
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.pipeline.kinds.denoise import RequestFailed, RequestJob, Result
 from cosmos3_batch.pipeline.kinds.samplers import UniPCSampler
+from cosmos3_batch.pipeline.kinds.step_cache.cache import stack_output
 from cosmos3_batch.pipeline.kinds.transfer import chunks
 from cosmos3_batch.pipeline.kinds.transfer.inputs import host_inputs
 from cosmos3_batch.pipeline.kinds.transfer.pack import GenBranch, pack, text_branch
@@ -74,9 +75,22 @@ class TransferJob(RequestJob):
         return self.request.transfer
 
     def gen_branches(self) -> list[BranchSeq]:
+        return [self.gen[name].seq for name in self.step_names()]
+
+    # --cache sea (step_cache/cache.py GateView): the modular pipeline's context names, step count and chunks.
+    modular = True
+
+    @property
+    def cache_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in BRANCHES if name in self.gen)
+
+    def step_names(self) -> tuple[str, ...]:
         if self.away or self._boundary is not None:  # sitting out a chunk boundary: nothing to compute
-            return []
-        return [self.gen[name].seq for name in self.plan[self.step_index].names]
+            return ()
+        return self.plan[self.step_index].names
+
+    def gate_vision(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [*self.state.control_latents, self.latents], self.gen[COND].layout.noisy_frame_indexes
 
     # ---- admission ---------------------------------------------------------------------------------
 
@@ -185,6 +199,8 @@ class TransferJob(RequestJob):
         target = self.latents.to(device=device, dtype=split.dtype)
         controls = [c.to(device=device, dtype=split.dtype) for c in self.state.control_latents]
         hidden: dict[bool, tuple[torch.Tensor, list]] = {}  # by "over the controls too"
+        if self.cache is not None:
+            self.cache.inputs = {}  # this step's, per branch (below): none kept from the steps before
         for name in self.plan[self.step_index].names:
             branch = self.gen[name]
             if branch.full not in hidden:
@@ -197,6 +213,8 @@ class TransferJob(RequestJob):
             whole, branch.layout.original_shapes = hidden[branch.full]
             shard = branch.seq.shard  # --sp: every rank embeds the whole stream and keeps its rows
             branch.seq.gen_hidden = whole if shard is None else whole[shard.local]
+            if self.cache is not None:  # the stack input, which a reusing branch adds its residual to
+                self.cache.inputs[name] = whole
 
     def finish_step(self) -> None:
         """Heads, the nested control/text combine, the scheduler step and the re-pin of conditioned frames;
@@ -209,12 +227,10 @@ class TransferJob(RequestJob):
         step = self.plan[self.step_index]
         split = self.ctx.split
         preds = {}
-        for name in step.names:
+        for at, name in enumerate(step.names):
             branch = self.gen[name]
             layout = branch.layout
-            if branch.seq.shard is not None:  # the heads read rows by their index in the whole stream
-                branch.seq.gen_hidden = branch.seq.shard.gather(branch.seq.gen_hidden)
-            normed = split.final_norm(branch.seq)
+            normed = stack_output(self, at, branch.seq)  # the final GEN norm's output, computed or reused
             preds[name] = split.vision_head(
                 normed, branch.seq, layout.token_shapes, layout.noisy_frame_indexes, layout.original_shapes
             ).float()
