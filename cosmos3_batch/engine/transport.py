@@ -127,6 +127,14 @@ class CollectiveFailed(RuntimeError):
         self.what, self.waited_s = what, waited_s
 
 
+# Raised inside a collective call but this rank's own: a device allocation of the call (all_gather_object on
+# NCCL moves the pickled objects to the device), an earlier kernel's fault surfacing at the enqueue.
+OWN_ERRORS = (
+    torch.OutOfMemoryError,
+    *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()),
+)
+
+
 @contextlib.contextmanager
 def collective_call(what: str) -> Iterator[None]:
     """Around one call into torch.distributed: what it raises becomes CollectiveFailed, with the seconds it
@@ -134,6 +142,8 @@ def collective_call(what: str) -> Iterator[None]:
     start = time.monotonic()
     try:
         yield
+    except OWN_ERRORS:  # this rank's device (out of memory, an earlier kernel's fault): its own crash
+        raise
     except CollectiveFailed:
         raise
     except RuntimeError as exc:
@@ -169,7 +179,8 @@ def gather(src: FetchSource, index: int, slot: torch.Tensor) -> None:
 def host_gather(src: FetchSource, index: int, out: torch.Tensor) -> None:
     """A staged fetch's gather: every rank's host shard into `out` (host memory), one gloo AllGather."""
     layout = src.layouts[index]
-    ALL_GATHER(out[: layout.nbytes], src.host.shard(index), group=src.group)
+    with collective_call(f"the gather of part {index}"):
+        ALL_GATHER(out[: layout.nbytes], src.host.shard(index), group=src.group)
 
 
 def fill_slot(src: FetchSource, index: int, slot: torch.Tensor) -> tuple[float, float]:

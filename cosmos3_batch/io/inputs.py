@@ -9,6 +9,7 @@ as it was."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -30,12 +31,39 @@ def file_sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def input_record(request) -> dict[str, dict]:
-    """The sidecar's `inputs`: path -> {bytes, mtime_ns, sha256}."""
+@functools.lru_cache(maxsize=4096)
+def _sha256_at(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
+
+
+def sha256_of(path: str) -> str:
+    """The file's sha256, hashed once per process for each (size, mtime) it is seen with: a control or an
+    input shared by many requests is read once, not once per request."""
+    st = os.stat(path)
+    return _sha256_at(path, st.st_size, st.st_mtime_ns)
+
+
+def input_stats(request) -> dict[str, tuple[int, int]]:
+    """Each input's (size, mtime_ns) now: taken when the request reads its inputs (`input_record` then
+    records the bytes that were read, not those of a file replaced before the output was written)."""
+    stats = {}
+    for path in input_paths(request):
+        st = os.stat(path)
+        stats[path] = (st.st_size, st.st_mtime_ns)
+    return stats
+
+
+def input_record(request, read: dict[str, tuple[int, int]] | None = None) -> dict[str, dict]:
+    """The sidecar's `inputs`: path -> {bytes, mtime_ns, sha256} as the request read them (`read`: their
+    stats then). A file whose stat changed since it was read is recorded with the stat it had and no sha256:
+    the next run finds it changed and generates the request again."""
     record = {}
     for path in input_paths(request):
         st = os.stat(path)
-        record[path] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
+        now = (st.st_size, st.st_mtime_ns)
+        size, mtime_ns = was = now if read is None else read.get(path, now)
+        sha = _sha256_at(path, *now) if was == now else None
+        record[path] = {"bytes": size, "mtime_ns": mtime_ns, "sha256": sha}
     return record
 
 
@@ -52,6 +80,12 @@ def inputs_changed(record) -> str | None:
             return f"input {path} recorded without its size and hash"
         if st.st_size == was.get("bytes") and st.st_mtime_ns == was.get("mtime_ns"):
             continue
-        if st.st_size != was.get("bytes") or file_sha256(path) != was.get("sha256"):
+        try:
+            same = st.st_size == was.get("bytes") and _sha256_at(path, st.st_size, st.st_mtime_ns) == was.get(
+                "sha256"
+            )
+        except OSError:
+            return f"input {path} cannot be read"
+        if not same:
             return f"input {path} changed since it was generated"
     return None

@@ -113,8 +113,9 @@ def build_seq_group(
     mine = host = None
     for ranks in group_ranks(world_size, sp):
         # Collective over the whole world: every rank makes every group, in the same order.
-        group = dist.new_group(ranks, backend=backend, timeout=timeout)
-        on_host = group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        with collective_call("creating the --sp groups"):  # a dead peer: the store's meeting fails
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
+            on_host = group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank in ranks:
             mine, host = group, on_host
     return SeqGroup(sp, rank % sp, rank // sp, mine, device, host=host)

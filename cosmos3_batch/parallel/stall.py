@@ -52,19 +52,23 @@ def peer_failure(exc: BaseException, timeout_s: float | None = None) -> str | No
     By what failed, never by the words of a message: one of our collective calls (CollectiveFailed, raised
     around every call into torch.distributed; a VAE group message's PeerLost) is a stall when it waited out
     the stage's `timeout_s` (a stalled peer makes it wait the group's timeout), else a death (a closed
-    connection comes at once); torch's own DistNetworkError is a lost connection and its DistBackendError
-    (NCCL's watchdog or an aborted communicator, met at a host read of a stream) a peer that never came.
+    connection comes at once); torch's own DistNetworkError and DistStoreError (a process group's creation
+    meeting a dead peer in the store) are a lost connection and its DistBackendError (NCCL's watchdog or an
+    aborted communicator, met at a host read of a stream or wrapped by a call) a peer that never came.
     Anything else, whatever its text, is a crash of this rank's own."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, CollectiveFailed):
-            stalled = timeout_s is not None and seen.waited_s >= STALL_SHARE * timeout_s
-            return STALLED if stalled else DIED
-        if isinstance(seen, dist.DistNetworkError):
+    chain = []
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__
+    for seen in chain:  # torch's own types first: a CollectiveFailed may wrap one
+        if isinstance(seen, dist.DistNetworkError | dist.DistStoreError):  # a lost connection, the store's
             return DIED
         if isinstance(seen, dist.DistBackendError):
             return STALLED
-        seen = seen.__cause__
+    for seen in chain:
+        if isinstance(seen, CollectiveFailed):
+            stalled = timeout_s is not None and seen.waited_s >= STALL_SHARE * timeout_s
+            return STALLED if stalled else DIED
     return None
 
 

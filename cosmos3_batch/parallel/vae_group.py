@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cosmos3_batch.engine.transport import CollectiveFailed
+from cosmos3_batch.engine.transport import OWN_ERRORS, CollectiveFailed, collective_call
 from cosmos3_batch.model.vae_patch import Shard
 from cosmos3_batch.parallel.sequence import group_ranks
 from cosmos3_batch.parallel.stall import phase
@@ -61,6 +61,8 @@ def _checked(call: Callable):
     start = time.monotonic()
     try:
         return call()
+    except OWN_ERRORS:  # this rank's device, not a message
+        raise
     except RuntimeError as exc:
         raise PeerLost("a VAE group message", exc, time.monotonic() - start) from exc
 
@@ -142,9 +144,9 @@ class PatchGroup:
         """`value` of pg rank `root`, on every rank of pg."""
         shared = self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device), root)
         if self.mark is None:  # NCCL: the broadcast returned once queued; the read waits for it
-            return int(_checked(shared.item))
-        with self.mark.waiting(self.what, peers(self.size)):
-            return int(_checked(shared.item))
+            return int(shared.item())
+        with self.mark.waiting(self.what, peers(self.size)):  # a DistBackendError here is a peer's by type
+            return int(shared.item())
 
     def _send(self, tensor: torch.Tensor, to: int):
         tensor = tensor.contiguous()
@@ -242,7 +244,8 @@ def build_decode_group(
     for ranks in group_ranks(world_size, sp):
         team = ranks[:parts]
         # gloo on every device (the module doc says why): on a GPU its messages are staged through the host.
-        group = dist.new_group(team, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        with collective_call("creating the decode teams"):
+            group = dist.new_group(team, backend="gloo", timeout=timedelta(seconds=timeout_s))
         if rank in team:
             mine = PatchGroup(
                 group, team.index(rank), parts, parts, device, host_staged=device.type == "cuda"

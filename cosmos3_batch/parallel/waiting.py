@@ -29,10 +29,14 @@ class WaitMark:
         self.name = name  # the waiting thread, for a debugger: not in the warning
         self.state: Wait | None = None
         self._episodes = 0
+        self._outer: list[Wait | None] = []  # the waits this one is inside of, innermost last
 
     def waiting(self, what: str, who: str | None = None) -> WaitMark:
-        """Mark the wait begun now; use as `with mark.waiting(...):` so that it ends however the wait ends."""
+        """Mark the wait begun now; use as `with mark.waiting(...):` so that it ends however the wait ends.
+        Waits nest (a group's agreement inside a host read, a message inside a decode): the inner one's end
+        gives the outer one back."""
         self._episodes += 1
+        self._outer.append(self.state)
         self.state = Wait(self._episodes, time.monotonic(), what, who)
         return self
 
@@ -40,7 +44,7 @@ class WaitMark:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.state = None
+        self.state = self._outer.pop() if self._outer else None
 
 
 def peers(size: int) -> str | None:

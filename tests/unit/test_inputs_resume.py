@@ -61,3 +61,22 @@ def test_an_input_replaced_in_place_is_generated_again_and_a_touch_is_not(tmp_pa
     assert result.exit_code == 0 and "2 generated, 0 failed, 1 already complete" in result.output
     assert f"i2v: input {tmp_path / 'cond.png'} changed since it was generated" in caplog.text
     assert f"tr: input {tmp_path / 'edge.mp4'} changed since it was generated" in caplog.text
+
+
+def test_a_file_replaced_after_it_was_read_is_recorded_as_read(tmp_path):
+    from types import SimpleNamespace
+
+    from cosmos3_batch.io.inputs import input_record, input_stats, inputs_changed
+
+    path = tmp_path / "cond.png"
+    _image(path, 0)
+    request = SimpleNamespace(image=str(path), video=None, transfer=None, action=None)
+    read = input_stats(request)
+    _image(path, 1)  # replaced between the read and the write
+    os.utime(path, ns=(5, 5))
+    record = input_record(request, read)
+    assert record[str(path)]["sha256"] is None and record[str(path)]["mtime_ns"] == read[str(path)][1]
+    assert inputs_changed(record) == f"input {path} changed since it was generated"
+    assert inputs_changed(input_record(request)) is None  # as read now: unchanged
+    path.unlink()
+    assert inputs_changed(record) == f"input {path} is gone"

@@ -206,3 +206,13 @@ def test_the_textfile_is_there_from_the_jobs_first_second_phase_by_phase(tmp_pat
     monitor.close()
     phases, _, running = _phase_and_since(path)
     assert phases == ["ending"] and running[0].value == 0.0
+
+
+def test_a_wait_inside_a_wait_gives_the_outer_one_back():
+    mark = WaitMark()
+    with mark.waiting("a host read of the device (the step cache's distances)"):
+        outer = mark.state
+        with mark.waiting("an --sp agreement"):
+            assert mark.state.what == "an --sp agreement"
+        assert mark.state == outer  # the outer wait is still being waited
+    assert mark.state is None

@@ -7,6 +7,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from cosmos3_batch.engine.transport import CollectiveFailed, collective_call
@@ -121,3 +122,16 @@ def test_a_dead_peer_and_an_unreachable_store_are_said_too(store, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens: the store's host is the stuck one
     lost = post_mortem(1, 2, STALLED, place, bound_s=0.5)
     assert lost.missing is None and lost.speaker and "which one is unknown" in lost.line
+
+
+def test_what_a_call_raises_of_this_ranks_own_device_stays_its_own():
+    # Out of memory in an all_gather_object's device copy is this rank's crash (exit 1), not a peer's.
+    with pytest.raises(torch.OutOfMemoryError), collective_call("an exchange of the ranks' records"):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert peer_failure(torch.OutOfMemoryError("CUDA out of memory"), timeout_s=30) is None
+    # A store that lost a peer while groups were made; an NCCL error a call wrapped: by their types.
+    assert peer_failure(dist.DistStoreError("wait timeout after 30000ms")) == DIED
+    backend = dist.DistBackendError("NCCL watchdog")
+    wrapped = CollectiveFailed("the gather of part 3", backend, 0.0)  # at once: yet a stall, by its type
+    wrapped.__cause__ = backend
+    assert peer_failure(wrapped, timeout_s=30) == STALLED

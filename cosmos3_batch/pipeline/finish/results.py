@@ -273,7 +273,7 @@ class ResultWriter:
             **({} if r.sample is None else {"sample": {"name": r.sample, "file": r.source}}),  # NVIDIA's
             "request_hash": r.content_hash(),
             "output_key": output_key(r, self.model_identity, self.cfg.vae_tiling),
-            "inputs": input_record(r),  # the files it read: resume regenerates it if one changed
+            "inputs": input_record(r, getattr(job, "input_stats", None)),  # as read: resume compares them
             "seed": r.seed,
             "tokens": job.tokens,
             "files": files,

@@ -197,6 +197,8 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     try:
         plan = _plan_everywhere(cfg, world)
         if not plan.requests:  # nothing to do: no weight is read, no bar is shown
+            if monitor is not None:
+                monitor.counts(0, len(plan.complete))
             _phase(monitor, "ending")
             return end_run(cfg, world, plan, [], started)
         _agreed(world, _pin_encoder)

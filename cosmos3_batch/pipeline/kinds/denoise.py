@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from cosmos3_batch.io.inputs import input_stats
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.modes import ACTION, SOUND, embed_stream, head_stream
 from cosmos3_batch.model.prompts import tokenize
@@ -72,6 +73,7 @@ class RequestJob(GateView):
         self.error: str | None = None  # set when a layer's compute failed for this request mid-pass
         # --vae-patch-parallel-size: the request's files read ahead of `prepare` (pipeline/finish/vae_team.py)
         self.input_error: str | None = None
+        self.input_stats: dict | None = None
         self._inputs: tuple | None = None
         # Admission: where latency_s starts (and queue_s ends).
         self.admitted_at = time.time()
@@ -125,6 +127,7 @@ class RequestJob(GateView):
         """Read the conditioning image or video (and an action file) now; a failure is kept for `prepare`."""
         r = self.request
         try:
+            self.input_stats = input_stats(r)  # the files as they are read (the sidecar's `inputs`)
             media = None
             if r.image is not None:
                 media = self._load_image()

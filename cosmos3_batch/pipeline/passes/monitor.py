@@ -69,6 +69,11 @@ class JobMonitor:
         self._thread.start()
         return self
 
+    def counts(self, to_do: int, skipped: int) -> None:
+        """The request counts known before the passes (a job with nothing to do has only these)."""
+        with self._lock:
+            self._counts(to_do, skipped)
+
     def phase(self, name: str) -> None:
         """The job entered phase `name` (prometheus.PHASES): written at once."""
         with self._lock:
@@ -80,6 +85,7 @@ class JobMonitor:
         """The pass loop's exchange exists: the lag warnings and the figures come from it from now on."""
         with self._lock:
             self._counts(to_do, skipped)
+        sync.last_exchange = time.monotonic()  # no exchange yet: progress counts from the passes' start
         self.sync = sync
         self.phase("running")
 

@@ -167,6 +167,9 @@ class PassRunner:
             self.ahead.close()
             # Also when a peer died mid-run: requests already denoised here still get decoded and written.
             self.finisher.close()
+        self.finisher.check()  # a decode after the last pass met a lost peer: not a clean end
+        if self.team is not None:
+            self.team.check()
 
     def _loop(self, queue: deque) -> None:
         slots = RankSlots(queue, self.max_active, self.rule)

@@ -103,6 +103,7 @@ class TransferJob(RequestJob):
                 self._inputs = self.ahead.result()  # waits only if not ready yet
             else:
                 self._inputs = host_inputs(self.ctx.helper, self.request, self.ctx.split.dtype)
+            self.input_stats = self._inputs.stats
         except Exception as exc:
             self.input_error = f"{type(exc).__name__}: {exc}"
         self.ahead = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cosmos3_batch.io.inputs import file_sha256
+from cosmos3_batch.io.inputs import sha256_of
 from cosmos3_batch.requests.transfer import AUTO, DERIVED_PARAMS
 
 
@@ -86,8 +86,8 @@ def controls_record(spec) -> list[dict]:
     record = []
     for hint, path in spec.controls:
         if path == AUTO:
-            source = {"derived_from": spec.video, "sha256": file_sha256(spec.video)}
+            source = {"derived_from": spec.video, "sha256": sha256_of(spec.video)}
             record.append({"hint": hint, **source, **DERIVED_PARAMS[hint]})
         else:
-            record.append({"hint": hint, "path": path, "sha256": file_sha256(path)})
+            record.append({"hint": hint, "path": path, "sha256": sha256_of(path)})
     return record

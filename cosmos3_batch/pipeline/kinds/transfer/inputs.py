@@ -10,20 +10,22 @@ only: no device, no collective, no generator (the noise is drawn at admission, i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from cosmos3_batch.io.inputs import input_stats
 from cosmos3_batch.pipeline.kinds.transfer import chunks
 from cosmos3_batch.pipeline.kinds.transfer.controls import derive
 from cosmos3_batch.plan.kept_memory import TRANSFER_AHEAD
 from cosmos3_batch.requests.transfer import AUTO
 
-AHEAD = (
-    TRANSFER_AHEAD  # requests prepared ahead of admission per rank: each holds its controls in host memory
-)
+# Requests prepared ahead of admission per rank (each holds its controls in host memory); of the queue's
+# head, SCAN requests are looked at per pass (a queue may hold a million).
+AHEAD, SCAN = TRANSFER_AHEAD, 64
 
 
 @dataclass
@@ -31,6 +33,7 @@ class HostInputs:
     controls: list[torch.Tensor]  # each control preprocessed at the request's size, padded, in `dtype`
     video: list | None  # the seed video's frames (PIL), as decoded
     seed: torch.Tensor | None  # those frames preprocessed: the first chunk's target seed (None: none)
+    stats: dict  # each input file's (size, mtime_ns) when it was read (io/inputs.py)
 
 
 def read_controls(spec, size: tuple[int, int]) -> tuple[list, list | None]:
@@ -48,13 +51,14 @@ def read_controls(spec, size: tuple[int, int]) -> tuple[list, list | None]:
 def host_inputs(helper, request, dtype: torch.dtype) -> HostInputs:
     """Everything a Transfer request's admission needs from its files, on the host."""
     spec, size = request.transfer, (request.height, request.width)
+    stats = input_stats(request)
     frames, video = read_controls(spec, size)
     length = max(request.num_frames, spec.chunk_frames)
     controls = chunks.prepare_controls(helper, frames, size, dtype, length)
     seed = None
     if video is not None and spec.first_chunk_conditional_frames > 0:
         seed = helper.video_processor.preprocess_video(video, height=size[0], width=size[1])
-    return HostInputs(controls, video, seed)
+    return HostInputs(controls, video, seed, stats)
 
 
 class AheadOfAdmission:
@@ -69,7 +73,7 @@ class AheadOfAdmission:
         """Called each pass with the requests not admitted yet, in their order: start the next ones."""
         if len(self._futures) >= self.ahead:
             return
-        for request in queue:
+        for request in itertools.islice(queue, SCAN):  # the queue's head: the next admissions
             if request.transfer is None or request.id in self._futures:
                 continue
             if self._pool is None:
@@ -86,5 +90,7 @@ class AheadOfAdmission:
         for future in self._futures.values():
             future.cancel()
         self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if (
+            self._pool is not None
+        ):  # not waited for: a read stuck on a frozen filesystem must not hold the exit
+            self._pool.shutdown(wait=False, cancel_futures=True)
