@@ -132,7 +132,7 @@ def check_reason_request(
         "condition_video_keep": None,
         "sound": False,
     }
-    return values, 1
+    return values, 0  # no frames out: its output is text (io/outputs.py paths_for: `<id>.txt`)
 
 
 def decode_passes(spec: ReasonSpec) -> int:
