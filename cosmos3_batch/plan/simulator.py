@@ -22,6 +22,9 @@ class SimRequest:
     # --cache sea, replayed: per step "C" when some branch ran the decoder stack, "R" when every branch
     # reused (plan/cache.step_decisions of a sidecar's decisions); "" = every step computes.
     decisions: str = ""
+    # A reasoner request (DESIGN.md §21): every pass it is active on is a UND pass (its needs-UND flag); its
+    # steps are its generated tokens (planned: max_new_tokens; EOS may end it sooner).
+    decodes: bool = False
 
     def __post_init__(self) -> None:
         assert not self.decisions or len(self.decisions) == self.steps, (self.id, self.decisions)
@@ -64,10 +67,15 @@ class _Totals:
         self.finishing: dict[int, list[int]] = {}  # pass -> ranks of requests taking their last step in it
         self.starving_since: deque[int] = deque()  # first pass of each current starvation, oldest first
         self.reusing: dict[int, int] = {}  # pass -> active requests all of whose branches reuse on it
+        self.decoding = 0  # active reasoner requests: while any, every pass fetches the UND parts
+        self.decoders: dict[int, int] = {}  # pass -> reasoner requests taking their last step in it
 
     def activate(self, rank: int, jobs: list[SimRequest], now: int) -> None:
         for r in jobs:
             self.finishing.setdefault(now + r.steps - 1, []).append(rank)
+            if r.decodes:
+                self.decoding += 1
+                self.decoders[now + r.steps - 1] = self.decoders.get(now + r.steps - 1, 0) + 1
             self.active_sum += r.steps  # active on this pass and each of its remaining steps
             for step, decision in enumerate(r.decisions):  # step i is taken on pass now + i
                 if decision == "R":
@@ -105,6 +113,7 @@ class _Totals:
     def finish(self, now: int) -> list[int]:
         """The ranks (once per request) whose requests took their last step on pass `now`."""
         done = self.finishing.pop(now, [])
+        self.decoding -= self.decoders.pop(now, 0)
         for rank in done:
             self.active[rank] -= 1
         self.total_active -= len(done)
@@ -146,7 +155,7 @@ def simulate(
             break
         overdue = totals.overdue(passes, rule.max_wait)
         und = und_pass(rule, world * max_active, totals.total_active, totals.total_starved, overdue)
-        und = und or (not und_cache and totals.total_active > 0)
+        und = und or (not und_cache and totals.total_active > 0) or totals.decoding > 0
         # The runner's skip: no UND pass, something active, and every active request reuses on this pass.
         reusing = totals.reusing.pop(passes, 0)
         skipped += not und and totals.total_active > 0 and reusing == totals.total_active

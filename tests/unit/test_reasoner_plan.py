@@ -1,0 +1,46 @@
+"""`plan`'s pass simulator counts a reasoner request's passes as the run does (issue 44 item 6): one pass a
+generated token, every pass one is active on fetching the UND parts, beside generation requests."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from cosmos3_batch.cli import app
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.simulator import SimRequest, simulate
+from tests.conftest import write_jsonl
+from tests.dist.test_runs import assert_simulated
+
+T2V = {"prompt": "a ball rolls", "size": "32x32", "num_frames": 5, "num_inference_steps": 4}
+
+
+def test_every_pass_with_an_active_reasoner_is_a_und_pass():
+    queues = [[SimRequest("g", 6), SimRequest("r", 3, decodes=True)], [SimRequest("g2", 9)]]
+    sim = simulate(queues, 1, PrefillRule(1.0, 0, 0))
+    # rank 0: g on passes 0-5, r on 6-8 (each UND); rank 1: g2 on 0-8. UND: pass 0, pass 6 (admits r), 7, 8.
+    assert (sim.passes, sim.und_passes, sim.outputs) == (9, 4, 3)
+
+
+def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_path):
+    rows = [
+        {"id": "t2v", **T2V},
+        {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 6}},
+        {"id": "r2", "prompt": "What is it?", "image": str(cond_image), "reason": {"max_new_tokens": 11}},
+        {"id": "t2v-b", **T2V, "num_inference_steps": 2, "guidance_scale": 1.0},
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    args = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, [*args, "--max-active", "2"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    # The plan of the same requests, each reasoner's budget its tokens in the run (EOS may end one sooner).
+    for row in rows[1:3]:
+        row["reason"]["max_new_tokens"] = json.loads((out / f"{row['id']}.json").read_text())["reason"][
+            "generated_tokens"
+        ]
+    planned = write_jsonl(tmp_path / "planned.jsonl", rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"][0]["und_passes"] > 2  # the reasoners' passes fetched UND
+    assert_simulated(summary, planned, tiny_reasoner_ckpt, "allgather", 2, PrefillRule())
