@@ -16,6 +16,7 @@ from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.reason_plan import describe_reason, reason_work
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import Assignment, assign
 from cosmos3_batch.requests.parse import Request, no_cycle_collection
@@ -82,6 +83,9 @@ def plan_job(
     if (chains := transfer_work(requests)) is not None:
         doc["transfer"] = chains
         text.append(plan_text.describe_transfer(chains, rule.chunk_gap))
+    if (work := reason_work(requests, sim)) is not None:
+        doc["reason"] = work
+        text.append(describe_reason(work))
     if shape is not None:
         job = (nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
         vae = (max_batch_rows, vae_tiling, vae_parts)

@@ -49,6 +49,8 @@ class Simulation:
     und_byte_share: float  # share of the weight bytes that were UND halves
     und_sequence_runs: int  # branches prefilled (each runs the UND half of every layer once)
     skipped_passes: int = 0  # --cache sea, replayed decisions: passes no branch anywhere computed (no fetch)
+    decode_passes: int = 0  # passes on which some reasoner request was active (each a UND pass)
+    decode_und_bytes: int = 0  # all ranks' UND weight bytes moved on those passes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,7 +145,7 @@ def simulate(
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
     totals = _Totals(world, max_active)
     pending = sum(len(q) for q in queues)
-    passes = und_passes = prefilled = outputs = skipped = 0
+    passes = und_passes = prefilled = outputs = skipped = decoding = 0
     touched = list(range(world))  # ranks whose requests finished on the pass before (at first: all)
     while True:
         for rank in touched:  # their freed slots take prefilled requests, or starve
@@ -163,6 +165,7 @@ def simulate(
             admitted, branches = totals.admit(slots, passes)
             pending -= admitted
             prefilled += branches
+        decoding += totals.decoding > 0  # after admissions: a reasoner admitted now decodes on this pass
         passes += 1
         und_passes += und
         touched = totals.finish(passes - 1)
@@ -182,4 +185,6 @@ def simulate(
         und_byte_share=und_passes * part_bytes.und / per_rank if per_rank else 0.0,
         und_sequence_runs=prefilled,
         skipped_passes=skipped,
+        decode_passes=decoding,
+        decode_und_bytes=decoding * part_bytes.und * world * ranks_per_queue,
     )

@@ -21,6 +21,7 @@ def test_every_pass_with_an_active_reasoner_is_a_und_pass():
     sim = simulate(queues, 1, PrefillRule(1.0, 0, 0))
     # rank 0: g on passes 0-5, r on 6-8 (each UND); rank 1: g2 on 0-8. UND: pass 0, pass 6 (admits r), 7, 8.
     assert (sim.passes, sim.und_passes, sim.outputs) == (9, 4, 3)
+    assert sim.decode_passes == 3
 
 
 def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_path):
@@ -44,3 +45,11 @@ def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"][0]["und_passes"] > 2  # the reasoners' passes fetched UND
     assert_simulated(summary, planned, tiny_reasoner_ckpt, "allgather", 2, PrefillRule())
+    plan = CliRunner().invoke(app, ["plan", str(planned), "--model", str(tiny_reasoner_ckpt), "--json"])
+    work = json.loads(plan.output)["reason"]
+    tokens = sum(row["reason"]["max_new_tokens"] for row in rows[1:3])
+    assert (work["requests"], work["tokens_planned"]) == (2, tokens)
+    sim = json.loads(plan.output)["simulation"]
+    budgets = [row["reason"]["max_new_tokens"] for row in rows[1:3]]
+    assert max(budgets) <= work["decode_passes"] == sim["decode_passes"] <= sum(budgets)
+    assert work["und_bytes_per_token"] == sim["decode_und_bytes"] / tokens > 0
