@@ -48,4 +48,18 @@ def missing_parts(root: Path) -> tuple[str, ...]:
     absent = [name for name in (*TOKENIZER_FILES, IMAGE_PROCESSOR) if not (root / name).is_file()]
     if absent:
         missing.append(f"the processor's files at the root ({', '.join(absent)})")
-    return tuple(missing)
+    return tuple(missing + _unsupported(root))
+
+
+def _unsupported(root: Path) -> list[str]:
+    """Transformers the reasoner cannot point Qwen3-VL layers at yet: FP8 linears, the Edge backbone."""
+    try:
+        config = json.loads((root / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    found = []
+    if config.get("quantization_config"):
+        found.append("a transformer in its stored bf16/float32 weights (the reasoner does not run FP8 yet)")
+    if config.get("hidden_act", "silu") != "silu" or not config.get("qk_norm_for_text", True):
+        found.append("a Qwen3-VL-shaped UND half (the Edge backbone's is not one)")
+    return found

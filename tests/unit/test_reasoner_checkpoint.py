@@ -48,3 +48,21 @@ def test_a_checkpoint_without_the_reasoner_parts_exits_2_naming_them(tiny_ckpt, 
     for part in ("config.json of type cosmos3_omni", "the ViT's weights", "preprocessor_config.json"):
         assert part in result.output
     assert not (tmp_path / "out" / "r.txt").exists()
+
+
+def test_webdataset_output_is_refused_for_reasoner_requests(tiny_reasoner_ckpt, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "r", "prompt": "Describe.", "reason": {}}])
+    args = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, [*args, "--format", "webdataset", "--no-progress"])
+    assert result.exit_code == 2 and "written as files only" in result.output, result.output
+
+
+def test_fp8_and_edge_transformers_are_named(tiny_reasoner_ckpt, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(tiny_reasoner_ckpt, tmp_path / "copy")
+    config_path = folder / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "hidden_act": "relu2", "quantization_config": {"x": 1}}))
+    found = missing_parts(folder)
+    assert len(found) == 2 and "FP8" in found[0] and "Edge" in found[1]

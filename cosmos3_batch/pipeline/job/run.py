@@ -115,6 +115,8 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
     try:  # decided on the whole input, so every array task of the job decides alike
         held = dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests))
+        if held.format == "webdataset" and any(r.reason is not None for r in requests):
+            raise ValueError("--format webdataset: reasoner requests (reason) are written as files only")
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
