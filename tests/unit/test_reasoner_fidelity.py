@@ -42,6 +42,7 @@ def _rows(cond_image):
 
 
 def _expected(ckpt, row) -> list[int]:
+    """`generate`'s ids for a request line, or a sidecar's resolved request (its seed, its sample's)."""
     spec = ReasonSpec(**row["reason"])
     return reference_ids(ckpt, row["prompt"], spec, row.get("seed", 0), row.get("image"))
 
@@ -55,22 +56,26 @@ def eos_ckpt(tiny_reasoner_ckpt, cond_image, tmp_path_factory):
     return with_eos(tiny_reasoner_ckpt, tmp_path_factory.mktemp("eos"), [token])
 
 
-def test_token_ids_equal_generate_sharing_passes_with_t2i(eos_ckpt, cond_image, tmp_path):
+def test_token_ids_equal_generate_eight_sharing_passes_with_t2i(eos_ckpt, cond_image, tmp_path):
     rows = _rows(cond_image)
+    rows[3]["samples"] = 5  # seeds 3..7: eight sequences in all, sharing every pass they overlap on
     prompts = write_jsonl(tmp_path / "p.jsonl", [*rows, T2I])
     _run(eos_ckpt, prompts, tmp_path / "out", "--max-active", "8", "--save-latents")
+    sidecars = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("*.json"))]
+    reasoned = {s["id"]: s for s in sidecars if s.get("kind") == "reason"}
+    assert len(reasoned) == 8
     stops = {}
-    for row in rows:
-        sidecar = json.loads((tmp_path / "out" / f"{row['id']}.json").read_text())
-        expected = _expected(eos_ckpt, row)
-        assert sidecar["reason"]["token_ids"] == expected, row["id"]
+    for rid, sidecar in reasoned.items():
+        expected = _expected(eos_ckpt, sidecar["request"])
+        assert sidecar["reason"]["token_ids"] == expected, rid
         assert sidecar["reason"]["generated_tokens"] == len(expected)
-        stops[row["id"]] = (sidecar["reason"]["stop_reason"], len(expected))
-        assert sidecar["kind"] == "reason" and sidecar["files"]["media"]["name"] == f"{row['id']}.txt"
-        assert (tmp_path / "out" / f"{row['id']}.txt").is_file()
+        stops[rid] = (sidecar["reason"]["stop_reason"], len(expected))
+        assert (
+            sidecar["files"]["media"]["name"] == f"{rid}.txt" and (tmp_path / "out" / f"{rid}.txt").is_file()
+        )
     assert stops["text"][0] == "eos" and stops["text"][1] < 10
     assert stops["sampled"][1] != stops["text"][1]  # ended at another step, in the same passes
-    assert json.loads((tmp_path / "out" / "image.json").read_text())["reason"]["vision_tokens"] > 0
+    assert reasoned["image"]["reason"]["vision_tokens"] > 0
     # The T2I request beside them: its latents equal its run alone.
     alone = write_jsonl(tmp_path / "alone.jsonl", [T2I])
     _run(eos_ckpt, alone, tmp_path / "alone", "--save-latents")
@@ -96,3 +101,15 @@ def test_one_sequence_a_pass_and_the_outputs_and_resume(eos_ckpt, cond_image, tm
     assert {r["kind"] for r in manifest} == {"reason"}
     again = _run(eos_ckpt, prompts, tmp_path / "out")
     assert "0 generated" in again.output and "2 already complete" in again.output
+
+
+def test_bf16_as_stored_equals_generate(cond_image, tmp_path):
+    """A bf16 checkpoint computes in bf16, as `from_pretrained` loads it (its stored dtype)."""
+    from cosmos3_batch.model.tiny import TinySpec, write_tiny
+
+    ckpt = write_tiny(tmp_path / "bf16", TinySpec(reasoner=True, dtype="bfloat16"))
+    rows = _rows(cond_image)[:3]
+    _run(ckpt, write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "out")
+    for row in rows:
+        sidecar = json.loads((tmp_path / "out" / f"{row['id']}.json").read_text())
+        assert sidecar["reason"]["token_ids"] == _expected(ckpt, row), row["id"]
