@@ -28,7 +28,7 @@ def build_prompt(reasoner: Reasoner, embed, chat: list[dict], extra: dict | None
         add_generation_prompt=True,
         return_dict=True,
         return_tensors="pt",
-        **(extra or {}),
+        processor_kwargs=extra or None,
     )
     model, device = reasoner.omni.model, reasoner.device
     input_ids = inputs["input_ids"]

@@ -85,6 +85,10 @@ class ReasonJob(RequestJob):
     def prepare(self) -> None:
         start = time.perf_counter()
         r, reasoner = self.request, self.reasoner
+        if r.video is not None and reasoner.processor.video_processor is None:
+            raise RequestFailed(
+                "reason: a video needs transformers' video processor, which needs torchvision"
+            )
         image = self._load_image() if r.image is not None else None
         video, extra = self._frames() if r.video is not None else (None, {})
         chat = messages(r.prompt, r.reason.system, image=image, video=video)
