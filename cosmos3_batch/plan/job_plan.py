@@ -46,6 +46,7 @@ def plan_job(
     vae_parts: int = 1,
     cache: tuple[SeaSettings, float] | None = None,
     input_format: str = "auto",
+    und_resident: bool = False,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
@@ -77,7 +78,7 @@ def plan_job(
     shape = (
         model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
     )
-    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc, und_resident)
     doc["simulation"] = sim.to_dict()
     text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
     if (chains := transfer_work(requests)) is not None:

@@ -17,20 +17,23 @@ from tests.unit.test_reasoner_fidelity import T2I, _expected, _rows
 
 pytestmark = pytest.mark.dist
 # (offload, --max-active, --prefill-lookahead, --sp): one slot with two prefilled ahead takes the ahead
-# path; --sp 2: both ranks decode each sequence alike (UND is replicated in a group), the lead writes.
-CONFIGS = [("allgather", 4, 0, 1), ("local", 1, 2, 1), ("allgather", 3, 0, 2)]
+# path; --sp 2: both ranks decode each sequence alike (UND is replicated in a group), the lead writes;
+# --und-resident: the UND halves on the device, only GEN parts gathered.
+CONFIGS = [("allgather", 4, 0, 1), ("local", 1, 2, 1), ("allgather", 3, 0, 2), ("allgather", 4, 1, 1)]
+EXTRA = {3: ["--und-resident"]}
 
 
 def test_reasoner_under_torchrun_world_2_equals_generate(tiny_reasoner_ckpt, cond_image, tmp_path):
     rows = _rows(cond_image)
     prompts = write_jsonl(tmp_path / "p.jsonl", [*rows, T2I])
     jobs = []
-    for mode, max_active, ahead, sp in CONFIGS:
-        out = tmp_path / f"{mode}-{max_active}-{sp}"
+    for number, (mode, max_active, ahead, sp) in enumerate(CONFIGS):
+        out = tmp_path / f"{number}-{mode}"
         jobs.append(
             ["run", prompts, "--model", tiny_reasoner_ckpt, "--out", out, "--offload", mode, "--sp", sp]
         )
         jobs[-1] += ["--max-active", max_active, "--prefill-lookahead", ahead, "--no-progress"]
+        jobs[-1] += EXTRA.get(number, [])
     codes = torchrun_jobs(2, jobs, tmp_path / "launch")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 gives each rank
@@ -38,8 +41,8 @@ def test_reasoner_under_torchrun_world_2_equals_generate(tiny_reasoner_ckpt, con
         expected = {row["id"]: _expected(tiny_reasoner_ckpt, row) for row in rows}
     finally:
         torch.set_num_threads(threads)
-    for (mode, max_active, _, sp), code in zip(CONFIGS, codes, strict=True):
-        out = tmp_path / f"{mode}-{max_active}-{sp}"
+    for number, ((mode, *_), code) in enumerate(zip(CONFIGS, codes, strict=True)):
+        out = tmp_path / f"{number}-{mode}"
         assert code == 0, (mode, (tmp_path / "launch" / "stderr.txt").read_text()[-3000:])
         for row in rows:
             sidecar = json.loads((out / f"{row['id']}.json").read_text())

@@ -53,3 +53,29 @@ def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_
     budgets = [row["reason"]["max_new_tokens"] for row in rows[1:3]]
     assert max(budgets) <= work["decode_passes"] == sim["decode_passes"] <= sum(budgets)
     assert work["und_bytes_per_token"] == sim["decode_und_bytes"] / tokens > 0
+
+
+def test_und_resident_streams_only_gen_parts_and_plan_counts_the_same(tiny_reasoner_ckpt, tmp_path):
+    """--und-resident: the UND halves stay on the device, the same tokens come out, and the bytes moved are
+    the GEN parts' alone, as `plan --und-resident` predicts (0 UND bytes per generated token)."""
+    rows = [{"id": "t2v", **T2V}, {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 5}}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    outs = {}
+    for flag in ("--und-resident", "--no-und-resident"):
+        out = outs[flag] = tmp_path / flag.strip("-")
+        args = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(out), "--no-progress"]
+        result = CliRunner().invoke(app, [*args, flag, "--save-latents"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    resident, streamed = (json.loads((outs[f] / "summary.json").read_text())["ranks"][0] for f in outs)
+    ids = [json.loads((out / "r1.json").read_text())["reason"]["token_ids"] for out in outs.values()]
+    assert ids[0] == ids[1] and len(ids[0]) == 5
+    assert (resident["passes"], resident["und_passes"]) == (streamed["passes"], streamed["und_passes"])
+    assert resident["fetches"] == streamed["fetches"] - streamed["und_passes"] * 2  # 2 layers' UND parts
+    plan_args = ["plan", str(prompts), "--model", str(tiny_reasoner_ckpt), "--json", "--und-resident"]
+    doc = json.loads(CliRunner().invoke(app, plan_args, catch_exceptions=False).output)
+    assert doc["simulation"]["bytes_per_rank"] == resident["h2d_bytes"] + resident["gathered_bytes"]
+    assert doc["reason"]["und_bytes_per_token"] == 0
+    from safetensors.torch import load_file
+
+    latents = [load_file(out / "t2v.latents.safetensors")["latents"] for out in outs.values()]
+    assert latents[0].equal(latents[1])

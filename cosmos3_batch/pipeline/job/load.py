@@ -70,7 +70,7 @@ def load_model(cfg: RunConfig, world: World, plan: Plan, place: Place) -> Loaded
     world.wait_for_ranks(cfg.load_timeout_s, "loading")
     sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
     rule = transformer_rule(checkpoint, cfg.dtype)
-    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world, rule, sync.waiting)
+    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world, rule, sync.waiting, cfg.und_resident)
     place.enter("reading the shards")
     world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
     return Loaded(ctx, weights, sync, seq_group, watch)
