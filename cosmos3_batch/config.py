@@ -41,6 +41,7 @@ class RunConfig:
     max_vision_tokens: int = 65536
     shard: tuple[int, int] | None = None  # (index, count): this job runs one slice of the file
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
+    und_resident: bool = False  # every layer's UND half kept on the device; only GEN parts stream (reasoner)
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
     load_timeout_s: float = 3600.0  # ranks wait this long for each other to finish loading (cold shard reads)
     fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always

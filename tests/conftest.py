@@ -143,6 +143,12 @@ def tiny_edge_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reasoner_ckpt(tmp_path_factory) -> Path:
+    """The tiny model with the reasoner's files (`make-tiny --reasoner`: root config, ViT, processor)."""
+    return write_tiny(tmp_path_factory.mktemp("ckpt-reason") / "tiny-reason", TinySpec(reasoner=True))
+
+
+@pytest.fixture(scope="session")
 def cond_image(tmp_path_factory) -> Path:
     # Not the output size on purpose: the pipeline resizes and centre-crops it.
     path = tmp_path_factory.mktemp("img") / "cond.png"

@@ -146,6 +146,13 @@ def run(
         bool,
         typer.Option(help="Cache each prompt's UND K/V once (default). --no-und-cache is an ablation only."),
     ] = True,
+    und_resident: Annotated[
+        bool,
+        typer.Option(
+            help="Keep every layer's UND half on the device and stream only GEN parts: reasoner decode "
+            "moves no UND bytes per token (needs the UND half's bytes of device memory: plan --und-resident)."
+        ),
+    ] = False,
     shard: Annotated[
         str | None,
         typer.Option(
@@ -215,6 +222,7 @@ def run(
             load_timeout_s=load_timeout_s,
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
+            und_resident=und_resident,
             shard=shard,
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead, chunk_gap_passes),
             batch_branches=batch_branches,
@@ -259,6 +267,7 @@ def plan(
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes the ranks are spread over.")] = 1,
     offload: Annotated[str, typer.Option(help="Offload mode to size (as `run --offload`).")] = "allgather",
+    und_resident: Annotated[bool, typer.Option(help="UND halves on the device (as `run`).")] = False,
     max_active: Annotated[int, typer.Option(help="Requests per rank sharing each layer (as `run`).")] = 4,
     gpu: Annotated[
         str | None, _opt("Presets: h100, h200, b200, b300 (docs/scale.md); flags below win.")
@@ -321,7 +330,7 @@ def plan(
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
             vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
-            input_format=input_format,
+            input_format=input_format, und_resident=und_resident,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -59,6 +59,14 @@ def make_tiny(
             "--edge", help="The Cosmos3-Edge backbone (relu2 MLP, Nemotron norms, UND k-norm for GEN)."
         ),
     ] = False,
+    reasoner: Annotated[
+        bool,
+        typer.Option(
+            "--reasoner",
+            help="Also the reasoner's files (docs/reasoner.md): a root cosmos3_omni config.json, a tiny ViT, "
+            "the processor and tokenizer files with the vision special tokens.",
+        ),
+    ] = False,
     trained: Annotated[
         bool,
         typer.Option(
@@ -91,6 +99,7 @@ def make_tiny(
             action=action,
             distilled=distilled,
             edge=edge,
+            reasoner=reasoner,
         )
         if not force:
             check_replaceable(dir)

@@ -36,7 +36,7 @@ class OutputPaths:
 
     folder: Path
     request_id: str
-    media_suffix: str  # png (1 frame) or mp4
+    media_suffix: str  # png (1 frame), mp4, or txt (0 frames: a reasoner request's text)
 
     def names(self) -> dict[str, str]:
         """The sidecar's `files` keys and the one file name each may name."""
@@ -90,8 +90,8 @@ def paths_for(out_dir: Path, request_id: str, num_frames: int, layout: str = "fl
     a name without a separator (or NUL) stays in its folder, whatever dots it holds."""
     if "/" in request_id or os.sep in request_id or "\0" in request_id:
         raise ValueError(f"request id {request_id!r} would write outside {out_dir}")
-    return OutputPaths(request_dir(_resolved(out_dir), request_id, layout), request_id,
-                       "png" if num_frames == 1 else "mp4")  # fmt: skip
+    suffix = {0: "txt", 1: "png"}.get(num_frames, "mp4")  # 0 frames: a reasoner's text
+    return OutputPaths(request_dir(_resolved(out_dir), request_id, layout), request_id, suffix)
 
 
 def _resolved(out_dir: Path) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cosmos3_batch.checkpoint.declared import family
 from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.checkpoint.reasoner_parts import missing_parts
 from cosmos3_batch.requests import defaults
 from cosmos3_batch.requests.fields import ModelLimits
 
@@ -21,6 +22,8 @@ def limits_for(checkpoint: Checkpoint, max_vision_tokens: int) -> ModelLimits:
         # Sound / action requests on a checkpoint without sound_tokenizer / action_gen: exit 2 up front.
         **checkpoint_modes(checkpoint.model_index, checkpoint.config("transformer")),
         defaults=defaults_for(checkpoint),
+        # A reasoner request on a folder without the reasoner's files: exit 2 up front, naming them.
+        reasoner_missing=missing_parts(checkpoint.root),
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from cosmos3_batch.model.tiny_kinds import edge_transformer_config, write_distilled
+from cosmos3_batch.model.tiny_reasoner import REASONER_TOKENS, write_reasoner
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>")
 
@@ -73,6 +74,7 @@ class TinySpec:
     action: bool = False  # action_gen: domain-aware action projections for every embodiment domain
     distilled: bool = False  # a 4-step distilled folder (model/tiny_kinds.py): FlowMatchEuler, modular index
     edge: bool = False  # the Cosmos3-Edge backbone: relu2 MLP, Nemotron norms, UND k-norm for GEN
+    reasoner: bool = False  # the reasoner's files (model/tiny_reasoner.py): root config, ViT, processor
 
     def __post_init__(self) -> None:
         if self.distilled and (self.sound or self.action):
@@ -100,7 +102,7 @@ class TinySpec:
 
 # The mode flags enter the spec's record only when set, so the embedded default (no flags) keeps the bytes
 # and the cache folder name it had before they existed.
-_MODE_FLAGS = ("sound", "action", "distilled", "edge")
+_MODE_FLAGS = ("sound", "action", "distilled", "edge", "reasoner")
 SOUND_DIM = 8  # latent channels of the tiny sound tokenizer (the released model: 64)
 
 
@@ -200,7 +202,7 @@ def scheduler_config(spec: TinySpec) -> dict:
     }
 
 
-def build_tokenizer(corpus: Iterable[str] = ()):
+def build_tokenizer(corpus: Iterable[str] = (), extra_special: Iterable[str] = ()):
     """Byte-level tokenizer with a chat template and the special tokens the pipeline looks up.
 
     With a `corpus`, BPE merges are learned until every word in it is one token (the demo model's words:
@@ -223,7 +225,8 @@ def build_tokenizer(corpus: Iterable[str] = ()):
         tokenizer_object=core,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")]
+        + list(extra_special),
         model_max_length=4096,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -242,7 +245,8 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        tokenizer = build_tokenizer()
+        # --reasoner: the vision special tokens after the base ones (the base model's ids stay as they are).
+        tokenizer = build_tokenizer(extra_special=REASONER_TOKENS if spec.reasoner else ())
         tokenizer.save_pretrained(tmp / "text_tokenizer")
 
         generator = torch.Generator().manual_seed(spec.seed)
@@ -267,6 +271,8 @@ def write_tiny(out_dir: str | Path, spec: TinySpec, overwrite: bool = True) -> P
                 child.to(DTYPES[spec.dtype])
         transformer.save_pretrained(tmp / "transformer", safe_serialization=True, max_shard_size="500MB")
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
+        if spec.reasoner:
+            write_reasoner(tmp, tokenizer, spec.seed, DTYPES[spec.dtype])
         if spec.distilled:  # a modular folder, as NVIDIA's 4-step checkpoints: no model_index.json
             write_distilled(tmp, _diffusers_version(), type(tokenizer).__name__)
         else:

@@ -82,6 +82,8 @@ def steps_and_texts(request) -> tuple[int, int]:
     """(passes a request rides, UND prefills it needs) for the simulator: a Transfer chain rides its steps
     once per chunk and prefills its texts once (the chain keeps them); uncond's text is counted whenever
     text guidance is above 1 (an interval that no timestep falls in is not seen here)."""
+    if getattr(request, "reason", None) is not None:  # one token a pass; one sequence through the UND half
+        return request.reason.max_new_tokens, 1
     texts = 2 if request.guidance_scale > 1.0 else 1
     if request.transfer is None:
         return request.num_inference_steps, 1 if request.guidance_scale == 1.0 else 2
@@ -97,6 +99,8 @@ def sim_request(request, chunk_gap: int, decisions: str = "") -> SimRequest:
     steps, texts = steps_and_texts(request)
     assert not decisions or len(decisions) == steps, (request.id, decisions)
     transfer = request.transfer
+    if getattr(request, "reason", None) is not None:
+        return SimRequest(request.id, steps, texts, decodes=True)
     if transfer is None or transfer.num_chunks == 1 or chunk_gap == 0:
         return SimRequest(request.id, steps, texts, decisions)
     per = request.num_inference_steps

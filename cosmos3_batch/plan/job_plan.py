@@ -18,6 +18,7 @@ from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.reason_plan import describe_reason, reason_work
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import Assignment, assign
 from cosmos3_batch.requests.parse import Request, no_cycle_collection
@@ -47,6 +48,7 @@ def plan_job(
     vae_parts: int = 1,
     cache: tuple[SeaSettings, float] | None = None,
     input_format: str = "auto",
+    und_resident: bool = False,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
@@ -79,12 +81,15 @@ def plan_job(
     shape = (
         model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
     )
-    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc)
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc, und_resident)
     doc["simulation"] = sim.to_dict()
     text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
     if (chains := transfer_work(requests)) is not None:
         doc["transfer"] = chains
         text.append(plan_text.describe_transfer(chains, rule.chunk_gap))
+    if (work := reason_work(requests, sim)) is not None:
+        doc["reason"] = work
+        text.append(describe_reason(work))
     if shape is not None:
         job = (nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
         vae = (max_batch_rows, vae_tiling, vae_parts)

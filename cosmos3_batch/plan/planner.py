@@ -252,12 +252,15 @@ def simulate_job(
     shape: ModelShape | None,
     mode: OffloadMode,
     world: int,
+    und_resident: bool = False,
 ) -> Simulation:
-    """The pass simulator on this job's schedule, with the engine's part sizes when the model is known."""
+    """The pass simulator on this job's schedule, with the engine's part sizes when the model is known
+    (`und_resident`: --und-resident, the UND parts on the device move nothing)."""
     parts = PartBytes()
     if shape is not None:
         gen = [p for p in shape.parts if p.key.endswith(GEN)]
         und = [p for p in shape.parts if not p.key.endswith(GEN)]
-        parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), sum(_bytes_per_pass(und, mode, world)))
+        und_bytes = 0 if und_resident else sum(_bytes_per_pass(und, mode, world))
+        parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), und_bytes)
     sim_queues = [[sim_request(r, rule.chunk_gap) for r in queue] for queue in queues]
     return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))

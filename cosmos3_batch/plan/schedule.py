@@ -51,7 +51,9 @@ def gen_tokens(r: Request) -> int:
 
 def predicted_cost(r: Request) -> float:
     """Work in token-steps: GEN tokens x passes x branches (the GEN stream dominates every pass; Transfer:
-    every chunk's steps at the most forwards a step runs)."""
+    every chunk's steps at the most forwards a step runs; a reasoner request: a token a pass)."""
+    if getattr(r, "reason", None) is not None:
+        return float(passes_of(r))
     return float(gen_tokens(r) * passes_of(r) * most_branches(r))
 
 

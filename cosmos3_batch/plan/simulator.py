@@ -22,6 +22,9 @@ class SimRequest:
     # --cache sea, replayed: per step "C" when some branch ran the decoder stack, "R" when every branch
     # reused (plan/cache.step_decisions of a sidecar's decisions); "" = every step computes.
     decisions: str = ""
+    # A reasoner request (DESIGN.md §21): every pass it is active on is a UND pass (its needs-UND flag); its
+    # steps are its generated tokens (planned: max_new_tokens; EOS may end it sooner).
+    decodes: bool = False
 
     def __post_init__(self) -> None:
         assert not self.decisions or len(self.decisions) == self.steps, (self.id, self.decisions)
@@ -46,6 +49,8 @@ class Simulation:
     und_byte_share: float  # share of the weight bytes that were UND halves
     und_sequence_runs: int  # branches prefilled (each runs the UND half of every layer once)
     skipped_passes: int = 0  # --cache sea, replayed decisions: passes no branch anywhere computed (no fetch)
+    decode_passes: int = 0  # passes on which some reasoner request was active (each a UND pass)
+    decode_und_bytes: int = 0  # all ranks' UND weight bytes moved on those passes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,10 +69,15 @@ class _Totals:
         self.finishing: dict[int, list[int]] = {}  # pass -> ranks of requests taking their last step in it
         self.starving_since: deque[int] = deque()  # first pass of each current starvation, oldest first
         self.reusing: dict[int, int] = {}  # pass -> active requests all of whose branches reuse on it
+        self.decoding = 0  # active reasoner requests: while any, every pass fetches the UND parts
+        self.decoders: dict[int, int] = {}  # pass -> reasoner requests taking their last step in it
 
     def activate(self, rank: int, jobs: list[SimRequest], now: int) -> None:
         for r in jobs:
             self.finishing.setdefault(now + r.steps - 1, []).append(rank)
+            if r.decodes:
+                self.decoding += 1
+                self.decoders[now + r.steps - 1] = self.decoders.get(now + r.steps - 1, 0) + 1
             self.active_sum += r.steps  # active on this pass and each of its remaining steps
             for step, decision in enumerate(r.decisions):  # step i is taken on pass now + i
                 if decision == "R":
@@ -105,6 +115,7 @@ class _Totals:
     def finish(self, now: int) -> list[int]:
         """The ranks (once per request) whose requests took their last step on pass `now`."""
         done = self.finishing.pop(now, [])
+        self.decoding -= self.decoders.pop(now, 0)
         for rank in done:
             self.active[rank] -= 1
         self.total_active -= len(done)
@@ -134,7 +145,7 @@ def simulate(
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
     totals = _Totals(world, max_active)
     pending = sum(len(q) for q in queues)
-    passes = und_passes = prefilled = outputs = skipped = 0
+    passes = und_passes = prefilled = outputs = skipped = decoding = 0
     touched = list(range(world))  # ranks whose requests finished on the pass before (at first: all)
     while True:
         for rank in touched:  # their freed slots take prefilled requests, or starve
@@ -146,7 +157,7 @@ def simulate(
             break
         overdue = totals.overdue(passes, rule.max_wait)
         und = und_pass(rule, world * max_active, totals.total_active, totals.total_starved, overdue)
-        und = und or (not und_cache and totals.total_active > 0)
+        und = und or (not und_cache and totals.total_active > 0) or totals.decoding > 0
         # The runner's skip: no UND pass, something active, and every active request reuses on this pass.
         reusing = totals.reusing.pop(passes, 0)
         skipped += not und and totals.total_active > 0 and reusing == totals.total_active
@@ -154,6 +165,7 @@ def simulate(
             admitted, branches = totals.admit(slots, passes)
             pending -= admitted
             prefilled += branches
+        decoding += totals.decoding > 0  # after admissions: a reasoner admitted now decodes on this pass
         passes += 1
         und_passes += und
         touched = totals.finish(passes - 1)
@@ -173,4 +185,6 @@ def simulate(
         und_byte_share=und_passes * part_bytes.und / per_rank if per_rank else 0.0,
         und_sequence_runs=prefilled,
         skipped_passes=skipped,
+        decode_passes=decoding,
+        decode_und_bytes=decoding * part_bytes.und * world * ranks_per_queue,
     )

@@ -26,7 +26,7 @@ ALLOWED_KEYS = (
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
     "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
     "action", "samples", "control", "control_guidance", "guidance_interval", "control_guidance_interval",
-    "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames",
+    "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames", "reason",
 )  # fmt: skip
 # `"samples": N` fans one request out into N (DESIGN.md §13); bounded so a typo cannot queue a million.
 MAX_SAMPLES = 10_000
@@ -58,6 +58,8 @@ class ModelLimits:
     sound: bool | None = None
     action: bool | None = None  # action_gen
     action_dim: int | None = None  # the widest action the checkpoint represents
+    # The reasoner's parts the checkpoint lacks (model/reasoner_files.py names them); None = not known here.
+    reasoner_missing: tuple[str, ...] | None = None
     # The reference's defaults for this checkpoint (requests/defaults.py); distilled ones fix steps, guidance.
     defaults: RequestDefaults = COSMOS3
 

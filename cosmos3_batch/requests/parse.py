@@ -40,6 +40,7 @@ from cosmos3_batch.requests.fields import (
     check_size,
 )
 from cosmos3_batch.requests.modes import check_distilled, check_sound, check_system_prompt, check_video
+from cosmos3_batch.requests.reason import ReasonSpec, check_reason_request, has_reason
 from cosmos3_batch.requests.sources import ALL_NAMED, Columns, Source, expand, jsonl_items, read_source
 from cosmos3_batch.requests.transfer import TransferSpec, check_transfer_request, has_transfer, stray_fields
 
@@ -73,12 +74,15 @@ class Request:
     sound: bool = False  # joint audio: <id>.wav and an AAC track in <id>.mp4
     action: ActionSpec | None = None  # forward/inverse dynamics, policy (conditioned on image or video)
     transfer: TransferSpec | None = None  # control-conditioned generation (requests/transfer.py)
+    reason: ReasonSpec | None = None  # the reasoner: text out (requests/reason.py); generation fields unused
     source: str = ""  # the file it came from ("<stdin>" for standard input); not part of its record
     unit: str = "line"  # what `line` counts there: line, item (JSON array) or row (Parquet)
     sample: str | None = None  # an NVIDIA sample's `name` (requests/cosmos_load.py); not part of its record
 
     @property
     def kind(self) -> str:
+        if self.reason is not None:
+            return "reason"
         if self.transfer is not None:
             return "transfer"
         if self.action is not None:
@@ -100,6 +104,8 @@ class Request:
             fields["action"] = dataclasses.asdict(self.action)
         if self.transfer is not None:
             fields["transfer"] = dataclasses.asdict(self.transfer)
+        if self.reason is not None:
+            fields["reason"] = dataclasses.asdict(self.reason)
         for key, unused in _MODE_FIELDS.items():
             if fields[key] is unused:
                 del fields[key]
@@ -122,6 +128,7 @@ _MODE_FIELDS = {
     "sound": False,
     "action": None,
     "transfer": None,
+    "reason": None,
 }
 
 
@@ -296,7 +303,10 @@ def _validate_object(
     request_id = check_id(out, obj, line)
     prompts = check_prompts(out, obj)
     transfer = has_transfer(obj)
-    if transfer:  # frame count from the controls; prompts verbatim, no templates (requests/transfer.py)
+    reason = has_reason(obj)
+    if reason:  # text out: the generation fields are refused, their defaults recorded unused
+        media, num_frames = check_reason_request(out, obj, base_dir, limits)
+    elif transfer:  # frame count from the controls; prompts verbatim, no templates (requests/transfer.py)
         media, num_frames = check_transfer_request(out, obj, base_dir, limits)
     elif has_action(obj):  # size and frame count come from the action's tier and chunk size
         media, num_frames = check_action_request(out, obj, base_dir, limits)
@@ -318,7 +328,7 @@ def _validate_object(
         "system_prompt": check_system_prompt(out, obj),
         **check_extra_params(out, obj, transfer),
     }
-    if not out.errors and num_frames is not None and not transfer:  # Transfer counts per chunk
+    if not out.errors and num_frames is not None and not transfer and not reason:  # Transfer counts per chunk
         # An action request's size comes from its tier and chunk size: the budget names the action.
         where = "action" if values.get("action") is not None else None
         check_budget(out, limits, values["width"], values["height"], num_frames, where)

@@ -30,7 +30,7 @@ INT_FIELDS = frozenset(
 FLOAT_FIELDS = frozenset({"fps", "guidance_scale", "flow_shift", "control_guidance"})
 BOOL_FIELDS = frozenset({"system_prompt", "sound"})
 JSON_FIELDS = frozenset(  # JSON text in a CSV cell
-    {"action", "extra_params", "condition_frames", "control"}
+    {"action", "extra_params", "condition_frames", "control", "reason"}
     | {"guidance_interval", "control_guidance_interval"}
 )
 _TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}

@@ -23,6 +23,7 @@ from cosmos3_batch.requests.parse import (
     load_requests,
     parse_lines,
 )
+from cosmos3_batch.requests.reason import ReasonSpec
 from cosmos3_batch.requests.transfer import TransferSpec
 
 DROP = object()  # marks a key to remove from the base request in a table row
@@ -528,6 +529,7 @@ CHANGES = {
     "sound": True,
     "action": ActionSpec("policy", 8, "fractal", 256, "ego_view"),
     "transfer": TransferSpec((("edge", "/e.mp4"),), (9,), 1.0, None, None, 9, 1, 9, 1),
+    "reason": ReasonSpec(max_new_tokens=8),
 }
 
 

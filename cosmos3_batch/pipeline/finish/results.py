@@ -22,6 +22,7 @@ from cosmos3_batch.io.inputs import input_record
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
+from cosmos3_batch.io.text_outputs import reason_facts, write_text
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
@@ -240,6 +241,12 @@ class ResultWriter:
     def _write_files(self, job: RequestJob, result: Result, paths: outputs.OutputPaths, written: list) -> str:
         r = job.request
         start = time.perf_counter()
+        if r.reason is not None:  # a reasoner's text (kinds/reason.py TextResult): <id>.txt, then the sidecar
+            written.append(paths.media)
+            files = {"media": {"name": paths.media.name, "bytes": write_text(paths.media, result.text)}}
+            job.timings["write_s"] = time.perf_counter() - start
+            outputs.write_json(paths.sidecar, self._sidecar(job, result, files) | reason_facts(result))
+            return str(paths.media.relative_to(self.cfg.out.resolve()))
         frames = outputs.to_uint8(result.frames)
         audio = (result.sound, result.sample_rate) if result.sound is not None else None
         written.append(paths.media)

@@ -62,13 +62,17 @@ def load_model(cfg: RunConfig, world: World, plan: Plan, place: Place) -> Loaded
         vae_dtype=cfg.vae_dtype,
     )
     ctx.vae_team = build_team(ctx, parts, seq_group, decode_group)
+    if any(r.reason is not None for r in plan.requests):  # the ViT, lm_head and processor: this job reasons
+        from cosmos3_batch.model.reasoner import Reasoner
+
+        ctx.reasoner = Reasoner(checkpoint, ctx.split.transformer, world.device)
     # Loading has no collective; the first ones after it (the layout digest, the shard reads' end) wait with
     # --load-timeout-s for the slowest rank's cold read, not with the pass loop's --collective-timeout-s.
     place.enter("loading", cfg.load_timeout_s, "--load-timeout-s")
     world.wait_for_ranks(cfg.load_timeout_s, "loading")
     sync = PassSync(world.world_size, world.exchange_group, place, rank=world.rank)
     rule = transformer_rule(checkpoint, cfg.dtype)
-    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world, rule, sync.waiting)
+    weights = build_weights(ctx.layers, checkpoint, cfg.offload, world, rule, sync.waiting, cfg.und_resident)
     place.enter("reading the shards")
     world.wait_for_ranks(cfg.load_timeout_s, "reading the shards")
     return Loaded(ctx, weights, sync, seq_group, watch)

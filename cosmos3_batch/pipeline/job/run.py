@@ -58,6 +58,13 @@ class BadInput(ValueError):
     """Bad requests, flags or checkpoint, found before any weight was loaded (exit code 2)."""
 
 
+def check_format(held, requests: list):
+    """The dataset format the run will write, if every request can be written in it (ValueError if not)."""
+    if held.format == "webdataset" and any(r.reason is not None for r in requests):
+        raise ValueError("--format webdataset: reasoner requests (reason) are written as files only")
+    return held
+
+
 def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, resume: bool = True) -> Plan:
     """`stdin`: the bytes of standard input when PROMPTS names "-" (read once, by rank 0). `resume=False`
     (ranks other than 0): OUT is neither read nor checked and nothing is tokenized: the plan holds all of
@@ -91,7 +98,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
     try:  # decided on the whole input, so every array task of the job decides alike
-        held = dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests))
+        held = check_format(dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests)), requests)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]

@@ -34,6 +34,7 @@ class ModelContext:
     vae_lock: threading.Lock = field(default_factory=threading.Lock)  # decodes, one at a time
     vae_team: object = None  # finish/vae_team.py VaeTeam under --vae-patch-parallel-size > 1
     encode_lock: threading.Lock = field(default_factory=threading.Lock)  # encodes, one at a time
+    reasoner: object = None  # model/reasoner.py Reasoner, for a job with reasoner requests (job/load.py)
 
     def __post_init__(self) -> None:
         if self.encode_helper is None:

@@ -103,6 +103,8 @@ class RequestJob(GateView):
     def needs_und(self) -> bool:
         return any(b.needs_und for b in self.branches)
 
+    # A kind that runs the parts it is handed itself (`apply_part`), not through BranchSeqs: the reasoner.
+    owns_parts = False
     # A Transfer chain (pipeline/kinds/transfer/chain.py) hands work off the loop; a one-segment job does not.
     rejoins = False  # this pass, before its gates, it takes back what it handed off
 

@@ -12,6 +12,7 @@ from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.pipeline.finish.vae_team import VaeTeam, agree_inputs
 from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob
+from cosmos3_batch.pipeline.kinds.reason import ReasonJob
 from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache
 from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob
 from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
@@ -23,8 +24,10 @@ if TYPE_CHECKING:
 
 
 def job_class(request: Request) -> type[RequestJob]:
-    """The state machine a request runs as, by its kind: Transfer's chunk chain, or the one-segment job. A
-    new kind adds its class here; the runner asks every kind the same questions."""
+    """The state machine a request runs as, by its kind: the reasoner's decode, Transfer's chunk chain, or the
+    one-segment job. A new kind adds its class here; the runner asks every kind the same questions."""
+    if request.reason is not None:
+        return ReasonJob
     return TransferJob if request.transfer is not None else RequestJob
 
 
@@ -58,7 +61,7 @@ class Admission:
         admitted, failed = [], []
         for job, error in zip(jobs, errors, strict=True):
             if error is None:
-                if self.cache is not None:
+                if self.cache is not None and not job.owns_parts:  # a step cache gates GEN branches only
                     job.cache = StepCache(self.cache, job, self.ctx.sampler.distilled)
                 admitted.append(job)
             else:

@@ -33,6 +33,11 @@ class PartApplier:
         self.gen_runs = 0  # GEN half applications (layer x branch): a request's forwards x layers
 
     def __call__(self, jobs: list[RequestJob], layer: torch.nn.Module, index: int, part: str) -> None:
+        if any(job.owns_parts for job in jobs):  # kinds that run a part themselves (kinds/reason.py)
+            for job in jobs:
+                if job.owns_parts:
+                    self._own(job, layer, index, part)
+            jobs = [job for job in jobs if not job.owns_parts]
         fp8 = self.split.fp8
         if fp8 is None:
             return self._apply(jobs, layer, index, part)
@@ -86,6 +91,16 @@ class PartApplier:
                 # so only the request that really fails is marked failed.
                 for branch in group:
                     self._one(owner[id(branch)], branch, layer, index, part, is_last)
+
+    def _own(self, job: RequestJob, layer: torch.nn.Module, index: int, part: str) -> None:
+        if job.error is not None:
+            return
+        try:
+            job.apply_part(layer, index, part)
+        except Exception as exc:
+            if self.strict:
+                raise
+            job.error = f"{type(exc).__name__}: {exc}"
 
     def _one(self, job: RequestJob, branch: BranchSeq, layer, index: int, part: str, is_last: bool) -> None:
         if job.error is not None:

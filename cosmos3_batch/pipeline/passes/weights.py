@@ -49,31 +49,43 @@ class OffloadedWeights:
     the runner finishes the pass, exchanges and embeds (on every rank alike: the gathers stay in step).
     """
 
-    def __init__(self, engine: LayerOffload, layers: torch.nn.ModuleList, mark: WaitMark | None = None):
+    def __init__(
+        self,
+        engine: LayerOffload,
+        layers: torch.nn.ModuleList,
+        mark: WaitMark | None = None,
+        und_resident: bool = False,
+    ):
         self.engine = engine
         self.layers = layers
         n = len(layers)
+        # --und-resident: the UND halves live on the device; the engine holds only the GEN parts, one a layer.
+        self.und_resident = und_resident
+        index = (lambda i, p: i) if und_resident else part_index
         # The compute thread's wait for a part is a wait for its gather, which needs every rank (on CPU the
         # fetch worker issues it; compute blocks until it is done): marked for rank 0's monitor, with labels
         # made once here, so a layer costs a timestamp. Parts read locally wait for no peer: not marked.
         self.mark = mark if gathers(engine.source) else None
         self._who = peers(engine.config.world_size)
         self._labels = {(i, p): phase(f"part:{i}.{p}") for i in range(n) for p in (UND, GEN)}
+        self._index = index
         self._orders = {
-            True: [part_index(i, p) for i in range(n) for p in (UND, GEN)],
-            False: [part_index(i, GEN) for i in range(n)],
+            True: [index(i, p) for i in range(n) for p in ((GEN,) if und_resident else (UND, GEN))],
+            False: [index(i, GEN) for i in range(n)],
         }
-        self._next_head = [part_index(0, GEN)] if n else []
+        self._next_head = [index(0, GEN)] if n else []
 
     def begin_pass(self, und: bool) -> None:
         self.engine.begin_pass(self._orders[und], prefetch=self._next_head)
 
     def layer(self, index: int, part: str) -> torch.nn.Module:
+        if part == UND and self.und_resident:
+            return self.layers[index]  # its UND tensors are on the device already (place_und)
         if self.mark is None:
-            self.engine.acquire(part_index(index, part))
+            self.engine.acquire(self._index(index, part))
         else:
             with self.mark.waiting(self._labels[index, part], self._who):
-                self.engine.acquire(part_index(index, part))
+                self.engine.acquire(self._index(index, part))
         return self.layers[index]
 
     def end_pass(self) -> Counters:
@@ -111,17 +123,35 @@ def build_weights(
     world: World,
     cast: DtypeRule | None = None,
     mark: WaitMark | None = None,
+    und_resident: bool = False,
 ):
     """`cast`: the `--dtype` rule (model/loading.py transformer_rule): the engine casts the shards it reads
     by it, as loading casts resident weights. `mark`: the pass loop's (PassSync.waiting), set around each
-    wait for a gathered part."""
+    wait for a gathered part. `und_resident` (--und-resident): every UND part is placed on the device here
+    and the engine streams the GEN parts only."""
     if mode is OffloadMode.RESIDENT:
         return ResidentWeights(layers)
-    bindings = [
-        PartBinding(key, tuple(params), lane=key.rsplit(".", 1)[1]) for key, params in layer_parts(layers)
-    ]
+    parts = layer_parts(layers)
+    if und_resident:
+        place_und([params for key, params in parts if key.endswith(UND)], checkpoint, cast, world.device)
+        parts = [(key, params) for key, params in parts if key.endswith(GEN)]
+    bindings = [PartBinding(key, tuple(params), lane=key.rsplit(".", 1)[1]) for key, params in parts]
+    lanes = tuple((lane, n) for lane, n in LANE_SLOTS if not (und_resident and lane == UND))
     config = OffloadConfig(
-        mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=LANE_SLOTS, cast=cast
+        mode=mode, rank=world.rank, world_size=world.world_size, lane_slots=lanes, cast=cast
     )
     engine = LayerOffload(bindings, checkpoint.store("transformer"), config, world.device, world.gather_group)
-    return OffloadedWeights(engine, layers, mark)
+    return OffloadedWeights(engine, layers, mark, und_resident)
+
+
+def place_und(parts: list, checkpoint: Checkpoint, cast: DtypeRule | None, device: torch.device) -> None:
+    """Every layer's UND tensors read whole from the checkpoint, cast as the engine casts shards, on the
+    device: the layers' own parameters from then on (no slot, no fetch)."""
+    store = checkpoint.store("transformer")
+    for params in parts:
+        for module, leaf, name in params:
+            tensor = store.tensor(name)
+            dtype = tensor.dtype if cast is None else cast(name, tensor.dtype)
+            module._parameters[leaf] = torch.nn.Parameter(
+                tensor.to(device=device, dtype=dtype), requires_grad=False
+            )

@@ -1,0 +1,81 @@
+"""`plan`'s pass simulator counts a reasoner request's passes as the run does (issue 44 item 6): one pass a
+generated token, every pass one is active on fetching the UND parts, beside generation requests."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from cosmos3_batch.cli import app
+from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.simulator import SimRequest, simulate
+from tests.conftest import write_jsonl
+from tests.dist.test_runs import assert_simulated
+
+T2V = {"prompt": "a ball rolls", "size": "32x32", "num_frames": 5, "num_inference_steps": 4}
+
+
+def test_every_pass_with_an_active_reasoner_is_a_und_pass():
+    queues = [[SimRequest("g", 6), SimRequest("r", 3, decodes=True)], [SimRequest("g2", 9)]]
+    sim = simulate(queues, 1, PrefillRule(1.0, 0, 0))
+    # rank 0: g on passes 0-5, r on 6-8 (each UND); rank 1: g2 on 0-8. UND: pass 0, pass 6 (admits r), 7, 8.
+    assert (sim.passes, sim.und_passes, sim.outputs) == (9, 4, 3)
+    assert sim.decode_passes == 3
+
+
+def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_path):
+    rows = [
+        {"id": "t2v", **T2V},
+        {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 6}},
+        {"id": "r2", "prompt": "What is it?", "image": str(cond_image), "reason": {"max_new_tokens": 11}},
+        {"id": "t2v-b", **T2V, "num_inference_steps": 2, "guidance_scale": 1.0},
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out"
+    args = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, [*args, "--max-active", "2"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    # The plan of the same requests, each reasoner's budget its tokens in the run (EOS may end one sooner).
+    for row in rows[1:3]:
+        row["reason"]["max_new_tokens"] = json.loads((out / f"{row['id']}.json").read_text())["reason"][
+            "generated_tokens"
+        ]
+    planned = write_jsonl(tmp_path / "planned.jsonl", rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"][0]["und_passes"] > 2  # the reasoners' passes fetched UND
+    assert_simulated(summary, planned, tiny_reasoner_ckpt, "allgather", 2, PrefillRule())
+    plan = CliRunner().invoke(app, ["plan", str(planned), "--model", str(tiny_reasoner_ckpt), "--json"])
+    work = json.loads(plan.output)["reason"]
+    tokens = sum(row["reason"]["max_new_tokens"] for row in rows[1:3])
+    assert (work["requests"], work["tokens_planned"]) == (2, tokens)
+    sim = json.loads(plan.output)["simulation"]
+    budgets = [row["reason"]["max_new_tokens"] for row in rows[1:3]]
+    assert max(budgets) <= work["decode_passes"] == sim["decode_passes"] <= sum(budgets)
+    assert work["und_bytes_per_token"] == sim["decode_und_bytes"] / tokens > 0
+
+
+def test_und_resident_streams_only_gen_parts_and_plan_counts_the_same(tiny_reasoner_ckpt, tmp_path):
+    """--und-resident: the UND halves stay on the device, the same tokens come out, and the bytes moved are
+    the GEN parts' alone, as `plan --und-resident` predicts (0 UND bytes per generated token)."""
+    rows = [{"id": "t2v", **T2V}, {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 5}}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    outs = {}
+    for flag in ("--und-resident", "--no-und-resident"):
+        out = outs[flag] = tmp_path / flag.strip("-")
+        args = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(out), "--no-progress"]
+        result = CliRunner().invoke(app, [*args, flag, "--save-latents"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    resident, streamed = (json.loads((outs[f] / "summary.json").read_text())["ranks"][0] for f in outs)
+    ids = [json.loads((out / "r1.json").read_text())["reason"]["token_ids"] for out in outs.values()]
+    assert ids[0] == ids[1] and len(ids[0]) == 5
+    assert (resident["passes"], resident["und_passes"]) == (streamed["passes"], streamed["und_passes"])
+    assert resident["fetches"] == streamed["fetches"] - streamed["und_passes"] * 2  # 2 layers' UND parts
+    plan_args = ["plan", str(prompts), "--model", str(tiny_reasoner_ckpt), "--json", "--und-resident"]
+    doc = json.loads(CliRunner().invoke(app, plan_args, catch_exceptions=False).output)
+    assert doc["simulation"]["bytes_per_rank"] == resident["h2d_bytes"] + resident["gathered_bytes"]
+    assert doc["reason"]["und_bytes_per_token"] == 0
+    from safetensors.torch import load_file
+
+    latents = [load_file(out / "t2v.latents.safetensors")["latents"] for out in outs.values()]
+    assert latents[0].equal(latents[1])
