@@ -74,6 +74,11 @@ MODEL_HELP = (
     "Diffusers-layout Cosmos3 checkpoint folder, or a Hugging Face repo id ORG/NAME or ORG/NAME@REVISION "
     "found in the local cache (downloaded unless HF_HUB_OFFLINE=1). Default: the built-in tiny model."
 )
+GUARDRAILS_HELP = (
+    "NVIDIA's guardrails (cosmos-guardrail: blocklist + Qwen3Guard on each prompt before admission, face "
+    "pixelation on the frames before encoding; docs/guardrails.md). Default: on for real checkpoints "
+    "(their models must be in the local Hugging Face cache, else exit 2), off for make-tiny's models."
+)
 SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
 PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."
 ID_COLUMN_HELP = "Table inputs: the column holding the id."
@@ -185,6 +190,9 @@ def run(
     cache_end_steps: cli_cache.EndSteps = cli_cache.SEA.cache_end_steps,
     cache_max_consecutive: cli_cache.MaxConsecutive = cli_cache.SEA.max_consecutive_cached,
     cache_power_exp: cli_cache.PowerExp = cli_cache.SEA.power_exp,
+    guardrails: Annotated[
+        bool | None, typer.Option("--guardrails/--no-guardrails", help=GUARDRAILS_HELP)
+    ] = None,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
     the job; 2: bad input (nothing loaded); 69: a peer rank stalled past --collective-timeout-s or died
@@ -233,6 +241,7 @@ def run(
             metrics_interval_s=metrics_interval_s,
             cache=(cache, cache_threshold, cache_residual_order, cache_retention_steps, cache_end_steps,
                    cache_max_consecutive, cache_power_exp),
+            guardrails=guardrails,
         )  # fmt: skip
     except ConfigError as exc:  # the same flags on every rank: one of them says so, once
         typer.echo(f"error: {after_rank_0(str(exc))}", err=True)

@@ -60,6 +60,9 @@ class ModelLimits:
     action_dim: int | None = None  # the widest action the checkpoint represents
     # The reference's defaults for this checkpoint (requests/defaults.py); distilled ones fix steps, guidance.
     defaults: RequestDefaults = COSMOS3
+    # Whether this job runs NVIDIA's guardrails (--guardrails / --no-guardrails, docs/guardrails.md): a job
+    # setting, which a request's `extra_params.guardrails` may only restate.
+    guardrails: bool = False
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)
@@ -327,10 +330,14 @@ def check_image(out: LineErrors, obj: JsonObject, base_dir: str | None, num_fram
     return path
 
 
-def check_extra_params(out: LineErrors, obj: JsonObject, transfer: bool = False) -> dict[str, bool]:
-    """`transfer`: the reference's Transfer text step takes prompts verbatim, so its templates are off."""
+def check_extra_params(
+    out: LineErrors, obj: JsonObject, transfer: bool = False, guardrails: bool = False
+) -> dict[str, bool]:
+    """`transfer`: the reference's Transfer text step takes prompts verbatim, so its templates are off.
+    `guardrails`: whether the job runs them; a request's `guardrails` must agree (it cannot turn them on
+    for one request, nor off: that is `--no-guardrails`, recorded in summary.json and every sidecar)."""
     value = _get(obj, "extra_params")
-    flags = dict(EXTRA_PARAMS_DEFAULTS)
+    flags = {**EXTRA_PARAMS_DEFAULTS, "guardrails": guardrails}
     if transfer:
         flags.update(use_resolution_template=False, use_duration_template=False)
     if value is not _ABSENT and not isinstance(value, dict):
@@ -347,12 +354,18 @@ def check_extra_params(out: LineErrors, obj: JsonObject, transfer: bool = False)
                 out.add(f"extra_params.{key}", "Transfer takes its prompt verbatim (no templates)")
             else:
                 flags[key] = flag
-    if flags.pop("guardrails"):
+    asked = flags.pop("guardrails")
+    if asked and not guardrails:
         out.add(
             "extra_params.guardrails",
-            "guardrails need NVIDIA's Cosmos safety models, which this offline batch job does not have; "
-            "the request is rejected rather than silently run without safety checks "
-            "(remove guardrails or set it to false)",
+            "this job runs without guardrails (--no-guardrails, or a built-in tiny model's default): run it "
+            "with --guardrails, or remove the field; a request is never run without the checks it asked for",
+        )
+    elif guardrails and not asked:
+        out.add(
+            "extra_params.guardrails",
+            "this job runs NVIDIA's guardrails on every request: one request cannot turn them off "
+            "(run the job with --no-guardrails, which summary.json and every sidecar record)",
         )
     return flags
 

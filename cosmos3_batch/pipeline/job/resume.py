@@ -22,6 +22,7 @@ from cosmos3_batch.io.shard_index import (
     sample_complete,
 )
 from cosmos3_batch.parallel.world import World
+from cosmos3_batch.pipeline.finish.blocked import is_blocked
 from cosmos3_batch.pipeline.finish.results import output_key
 from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.requests.parse import Request
@@ -53,6 +54,9 @@ def split_complete(
                 paths, content, key, cfg.save_latents, required, recorded.get(r.id)
             )
             seen = not done and paths.sidecar.exists()
+        if not done and is_blocked(outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout).sidecar,
+                                   content, key):  # fmt: skip
+            done, seen = True, False  # blocked by the guardrails: an outcome, not retried
         if done and not cfg.overwrite:
             complete.append(r)
             continue

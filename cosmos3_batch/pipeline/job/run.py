@@ -11,12 +11,14 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
+from cosmos3_batch.checkpoint.guardrail_cache import GuardrailRefusal
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import dataset, outputs
@@ -33,6 +35,7 @@ from cosmos3_batch.parallel.stall import Place, peer_failure, post_mortem
 from cosmos3_batch.parallel.stop import StopRequest
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.parallel.world import World, init_world, teardown
+from cosmos3_batch.pipeline.finish.guardrail import Guardrails
 from cosmos3_batch.pipeline.finish.results import ResultWriter, shard_writer
 from cosmos3_batch.pipeline.job.drive import Progress, drive
 from cosmos3_batch.pipeline.job.dtypes import check_dtypes, compute_tag
@@ -40,6 +43,7 @@ from cosmos3_batch.pipeline.job.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
+from cosmos3_batch.pipeline.job.screen import guardrails_on, screen
 from cosmos3_batch.pipeline.job.summary import preview, rank_report
 from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
@@ -89,19 +93,20 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
 
     model_dir = cfg.model if cfg.model is not None else ensure_default_tiny()
     try:
+        guardrails = guardrails_on(cfg, model_dir)  # their models in the cache, else exit 2 now
         checkpoint = Checkpoint.open(model_dir)
         validate_checkpoint(checkpoint)
         # Collect the file's problems and the token-count problems, then report them all at once.
         requests, invalid = load_requests(
             cfg.prompts,
-            limits_for(checkpoint, cfg.max_vision_tokens),
+            replace(limits_for(checkpoint, cfg.max_vision_tokens), guardrails=guardrails),
             skip_invalid=True,
             samples=cfg.samples_per_prompt,
             columns=Columns(cfg.prompt_column, cfg.id_column),
             stdin=stdin,
             input_format=cfg.input_format,
         )
-    except (CheckpointError, RequestFileError) as exc:
+    except (GuardrailRefusal, CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
     try:  # --sp must fit the model's heads (named first: the fix is in the model) and the ranks
         check_model(cfg.sp, checkpoint.config("transformer"))
@@ -118,9 +123,9 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
-    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
+    identity = checkpoint.identity() + compute_tag(cfg, checkpoint) + ("+guardrails" if guardrails else "")
     if not resume:
-        return Plan(Path(model_dir), mine, invalid, [], tokenizer, identity, held)
+        return Plan(Path(model_dir), mine, invalid, [], tokenizer, identity, held, guardrails)
     todo, complete = split_complete(cfg, mine, identity, held)
     # Complete outputs were made from these very prompts by this model: their tokens need no second look
     # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
@@ -143,7 +148,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
             check_room(cfg.out, size(largest), f"request {largest.id!r}")
         except ValueError as exc:
             raise BadInput(str(exc)) from exc
-    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity, held)
+    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity, held, guardrails)
 
 
 def run_job(cfg: RunConfig) -> Outcome:
@@ -239,7 +244,9 @@ def _passes(
     """This rank's queue through the pass loop; every rank's report, gathered."""
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
-    writer = _writer(cfg, world, plan, loaded, stop)
+    guard = Guardrails(world.device) if plan.guardrails else None  # once per rank, on its device
+    writer = _writer(cfg, world, plan, loaded, stop, guard)
+    mine = screen(guard, cfg, world, mine, writer)  # blocked prompts are recorded, never admitted
     monitor = None
     if world.is_main:  # the lag warnings, and --metrics-textfile
         monitor = start_monitor(cfg, loaded.sync, len(plan.requests), len(plan.complete), started)
@@ -262,12 +269,14 @@ def _passes(
         if monitor is not None:  # also when a peer stalled: the file says the job no longer runs
             monitor.close(final)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
-    bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
+    bar.update(sum(r["ok"] + len(r["failed"]) + len(r["blocked"]) for r in ranks) - bar.bar.n)
     bar.close()
     return ranks
 
 
-def _writer(cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: StopRequest) -> ResultWriter:
+def _writer(
+    cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: StopRequest, guard
+) -> ResultWriter:
     writer = ResultWriter(
         cfg,
         plan.model_dir,
@@ -278,6 +287,8 @@ def _writer(cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: Stop
         stop=stop,
         layout=plan.dataset.layout,
         shards=shard_writer(cfg, plan.dataset, world.rank),
+        guard=guard,
+        guardrails=plan.guardrails,
     )
     if world.is_main and (recovered := writer.recover_rows(plan.complete)):
         log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)
