@@ -38,10 +38,10 @@ elif [ ! -f "$stamp" ]; then
   touch "$stamp"
   say "done: $VENV"
 fi
-if [ "${1:-}" = "guardrails" ] && [ ! -f /usr/share/wordnet/data.noun ]; then
+if [ "${1:-}" = "guardrails" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
   # The guardrail tests' blocklist lemmatizes with NLTK's WordNet: Debian's WordNet 3.0 files (tests/guardrails).
-  say "installing Debian's wordnet-base (WordNet 3.0 data files)"
+  say "installing Debian's wordnet-base and wordnet-sense-index (WordNet 3.0 data files)"
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-  $sudo apt-get install -y -q wordnet-base >/dev/null || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q wordnet-base >/dev/null; }
+  $sudo apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null; }
 fi
 cd "$ROOT"
