@@ -9,16 +9,24 @@ there stops with exit 2 naming them: never a job that runs without its checks. N
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 GUARDRAIL_REPO = "nvidia/Cosmos-1.0-Guardrail"
 QWEN3GUARD_REPO = "Qwen/Qwen3Guard-Gen-0.6B"
 # One file per repo that the checker cannot start without (the blocklist's folder holds several).
 REQUIRED = {GUARDRAIL_REPO: "face_blur_filter/Resnet50_Final.pth", QWEN3GUARD_REPO: "config.json"}
 PACKAGE = "cosmos_guardrail"
+# The file make-tiny writes into every folder it makes (model/tiny.py MARKER): those default to no guardrails.
+MAKE_TINY_MARKER = ".written-by-cosmos3-batch-make-tiny"
 
 
 class GuardrailRefusal(ValueError):
     """Guardrails are on and cannot run here (exit 2, before anything loads): `refusal()` says why."""
+
+
+def written_by_make_tiny(folder: str | Path) -> bool:
+    """The built-in tiny model, the demo model, any make-tiny folder: guardrails default to off for them."""
+    return (Path(folder) / MAKE_TINY_MARKER).exists()
 
 
 def missing_repos() -> list[str]:

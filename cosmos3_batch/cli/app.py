@@ -79,6 +79,7 @@ GUARDRAILS_HELP = (
     "pixelation on the frames before encoding; docs/guardrails.md). Default: on for real checkpoints "
     "(their models must be in the local Hugging Face cache, else exit 2), off for make-tiny's models."
 )
+PLAN_GUARD_HELP = "As `run --guardrails`: their memory per rank and time per request (default as `run`)."
 SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
 PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."
 ID_COLUMN_HELP = "Table inputs: the column holding the id."
@@ -306,6 +307,9 @@ def plan(
     input_format: Annotated[str, typer.Option(help=INPUT_FORMAT_HELP)] = "auto",
     cache: cli_cache.Cache = "none",
     cache_reuse: cli_cache.Reuse = cli_cache.PUBLISHED_REUSE,
+    guardrails: Annotated[
+        bool | None, typer.Option("--guardrails/--no-guardrails", help=PLAN_GUARD_HELP)
+    ] = None,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
@@ -328,7 +332,7 @@ def plan(
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
             vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
-            input_format=input_format,
+            input_format=input_format, guardrails=guardrails,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cosmos3_batch.checkpoint.guardrail_cache import GuardrailRefusal, refusal
+from cosmos3_batch.checkpoint.guardrail_cache import GuardrailRefusal, refusal, written_by_make_tiny
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.finish.guardrail import Guardrails
@@ -24,9 +24,7 @@ from cosmos3_batch.requests.parse import Request
 
 def guardrails_on(cfg: RunConfig, model_dir: Path) -> bool:
     """Whether this job runs the guardrails; GuardrailRefusal (exit 2, nothing loaded) if they cannot run."""
-    from cosmos3_batch.model.tiny import MARKER
-
-    on = cfg.guardrails if cfg.guardrails is not None else not (Path(model_dir) / MARKER).exists()
+    on = cfg.guardrails if cfg.guardrails is not None else not written_by_make_tiny(model_dir)
     if on and (why := refusal()) is not None:
         raise GuardrailRefusal(why)
     return on
