@@ -18,6 +18,7 @@ REQUIRED = {GUARDRAIL_REPO: "face_blur_filter/Resnet50_Final.pth", QWEN3GUARD_RE
 PACKAGE = "cosmos_guardrail"
 # The file make-tiny writes into every folder it makes (model/tiny.py MARKER): those default to no guardrails.
 MAKE_TINY_MARKER = ".written-by-cosmos3-batch-make-tiny"
+DERIVED_MARKER = ".derived-from-make-tiny"  # `convert --fp8` of such a folder (checkpoint/convert.py)
 
 
 class GuardrailRefusal(ValueError):
@@ -26,7 +27,7 @@ class GuardrailRefusal(ValueError):
 
 def written_by_make_tiny(folder: str | Path) -> bool:
     """The built-in tiny model, the demo model, any make-tiny folder: guardrails default to off for them."""
-    return (Path(folder) / MAKE_TINY_MARKER).exists()
+    return any((Path(folder) / name).exists() for name in (MAKE_TINY_MARKER, DERIVED_MARKER))
 
 
 def missing_repos() -> list[str]:

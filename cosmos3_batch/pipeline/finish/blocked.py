@@ -14,6 +14,7 @@ from cosmos3_batch.io.metrics import iso_time
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")
+NOT_COMPLETE = "sidecar not complete"  # what io/outputs.is_complete says of a sidecar like a blocked one's
 
 
 def record_blocked(writer, r: Request, reason: str, stage: str, key: str, versions: dict, job=None) -> None:

@@ -93,9 +93,9 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
 
     model_dir = cfg.model if cfg.model is not None else ensure_default_tiny()
     try:
-        guardrails = guardrails_on(cfg, model_dir)  # their models in the cache, else exit 2 now
         checkpoint = Checkpoint.open(model_dir)
         validate_checkpoint(checkpoint)
+        guardrails = guardrails_on(cfg, model_dir)  # their models in the cache, else exit 2 now
         # Collect the file's problems and the token-count problems, then report them all at once.
         requests, invalid = load_requests(
             cfg.prompts,

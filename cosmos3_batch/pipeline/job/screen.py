@@ -35,7 +35,9 @@ def screen(
 ) -> list[Request]:
     """This rank's queue less the requests whose prompt the text guardrail blocks (recorded as blocked).
     Under --sp the ranks of a group hold one queue: they take its first rank's decisions (one all-gather,
-    made whatever was decided), so the group admits the same requests even if a check were not repeatable."""
+    made whatever was decided), so the group admits the same requests even if a check were not repeatable.
+    The checks run before the first pass (about 0.2 s a prompt with the real models: `plan`), every rank then
+    waiting for the others within --load-timeout-s."""
     if guard is None:
         return mine
     reasons: dict[str, str | None] = {}  # prompt -> reason: the samples of a line share their prompt
@@ -45,6 +47,8 @@ def screen(
             reasons[r.prompt] = guard.text(r.prompt)
         if reasons[r.prompt] is not None:
             blocked[r.id] = reasons[r.prompt]
+    # The ranks' queues differ in length: they meet again with the start-up deadline, not the pass loop's.
+    world.wait_for_ranks(cfg.load_timeout_s, "checking their prompts (guardrails)")
     if cfg.sp > 1:
         blocked = world.all_gather_object(blocked)[world.rank - world.rank % cfg.sp]
     if world.rank % cfg.sp == 0:  # the group's first rank writes its requests' records
