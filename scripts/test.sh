@@ -31,4 +31,4 @@ lower="MKL_ENABLE_INSTRUCTIONS=$mkl_isa ATEN_CPU_CAPABILITY=$aten_isa ONEDNN_MAX
 echo "[test] the exactness tests again with $lower"
 env $lower python -m pytest -q -n 2 --dist worksteal -m exact
 echo "[test] the guardrail tier in its own virtualenv (scripts/env.sh guardrails)"
-(source "$(dirname "$0")/env.sh" guardrails && python -m pytest -q -n 2 --dist worksteal tests/guardrails)
+(source "$ROOT/scripts/env.sh" guardrails && python -m pytest -q -n 2 --dist worksteal tests/guardrails)

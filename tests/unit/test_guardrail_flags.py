@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+from cosmos3_batch.checkpoint import guardrail_cache
 from cosmos3_batch.checkpoint.guardrail_cache import MAKE_TINY_MARKER
 from cosmos3_batch.config import make_config
 from cosmos3_batch.model.tiny import MARKER
@@ -34,7 +35,10 @@ def test_the_marker_that_makes_tiny_models_default_off_is_make_tinys():
     assert MAKE_TINY_MARKER == MARKER
 
 
-def test_real_checkpoint_defaults_to_guardrails_and_refuses_without_their_package(tiny_ckpt, tmp_path):
+def test_real_checkpoint_defaults_to_guardrails_and_refuses_without_their_package(
+    tiny_ckpt, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(guardrail_cache, "PACKAGE", "cosmos_guardrail_not_here")  # whatever this env holds
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "a red fox", **IMAGE}])
     code, _, error = run(prompts, tmp_path / "out", real_copy(tiny_ckpt, tmp_path))
     assert code == 2 and not (tmp_path / "out").exists()
@@ -70,3 +74,13 @@ def test_plan_shows_guardrails_for_a_real_checkpoint_only(tiny_ckpt, tmp_path):
         "guardrails"
         not in plan_job(prompts, str(real), 1, 1, "allgather", 1, preset("h200"), guardrails=False)[0]
     )
+
+
+def test_an_fp8_copy_of_a_make_tiny_model_keeps_its_no_guardrails_default(tiny_ckpt, tmp_path):
+    from cosmos3_batch.checkpoint.convert import convert_fp8
+    from cosmos3_batch.model.loading import decoder_linear_weights
+
+    convert_fp8(tiny_ckpt, tmp_path / "fp8", decoder_linear_weights)
+    assert guardrail_cache.written_by_make_tiny(tmp_path / "fp8")
+    assert not (tmp_path / "fp8" / MARKER).exists()  # make-tiny still refuses to overwrite it
+    assert not guardrail_cache.written_by_make_tiny(real_copy(tiny_ckpt, tmp_path))
