@@ -21,6 +21,8 @@ from PIL import Image
 
 from cosmos3_batch.config import make_config
 from cosmos3_batch.io.outputs import to_uint8
+from cosmos3_batch.io.status import dataset_status
+from cosmos3_batch.io.status import describe as describe_status
 from cosmos3_batch.model.tiny import MARKER
 from cosmos3_batch.pipeline.finish import guardrail
 from cosmos3_batch.pipeline.job.run import run_job
@@ -84,6 +86,9 @@ def test_text_guardrail_blocks_before_generation_as_the_reference_does(tiny_ckpt
         assert (metrics[rid]["status"], metrics[rid]["error"]) == ("blocked", reason)
         assert (manifest[rid]["status"], manifest[rid]["error"]) == ("blocked", reason)
     assert summary["blocked"] == [{"id": rid, "reason": manifest[rid]["error"]} for rid in ("exact", "fuzzy")]
+    status = dataset_status(out)
+    assert (status["done"], status["blocked"], status["all_done"], status["eta_hours"]) == (1, 2, True, 0.0)
+    assert "1 done, 2 blocked, 0 failed" in describe_status(status)
     # Resume: the blocked requests are done, not retried.
     code, line, error = run(prompts, out, tiny_ckpt, guardrails=True)
     summary = json.loads((out / "summary.json").read_text())
