@@ -61,8 +61,9 @@ def _from_hub(repo: str, revision: str) -> ModelSource:
     except LocalEntryNotFoundError:
         where = "offline (HF_HUB_OFFLINE=1): " if offline else ""
         raise ValueError(
+            # `hf`: the command huggingface_hub >= 1.0 installs (it no longer ships `huggingface-cli`).
             f"--model {repo}@{revision}: {where}not in the Hugging Face cache {constants.HF_HUB_CACHE}; "
-            f"download it first: huggingface-cli download {repo} --revision {revision}"
+            f"download it first: hf download {repo} --revision {revision}"
         ) from None
     except Exception as exc:  # no such repo, no access, a network error with nothing cached
         raise ValueError(f"--model {repo}@{revision}: {type(exc).__name__}: {exc}") from None

@@ -92,6 +92,10 @@ METRICS_TEXTFILE_HELP = (
     "collector): requests by state, outputs/s, passes, bytes moved, stall, per-rank seconds since progress "
     "(docs/running.md). Rewritten atomically every --metrics-interval-s and at the end."
 )
+SKIP_INVALID_HELP = (
+    "Run the valid requests and record the invalid ones instead of exiting with 2 (an input that is missing, "
+    "unreadable or empty still exits 2)."
+)
 METRICS_INTERVAL_HELP = "Seconds between two writes of --metrics-textfile."
 
 
@@ -109,9 +113,7 @@ def run(
     vae_tiling: Annotated[
         bool, typer.Option(help="Decode in tiles: less device memory, output no longer bit-exact.")
     ] = False,
-    skip_invalid: Annotated[
-        bool, typer.Option(help="Run the valid lines and record the invalid ones instead of exiting with 2.")
-    ] = False,
+    skip_invalid: Annotated[bool, typer.Option(help=SKIP_INVALID_HELP)] = False,
     overwrite: Annotated[
         bool,
         typer.Option(help="Regenerate requests whose outputs are already complete (default: skip them)."),

@@ -48,3 +48,16 @@ def run_ffmpeg(args: list[str], what: str, stdin: bytes | memoryview | None = No
             if os.strerror(code) in err:
                 raise OSError(code, f"{os.strerror(code)} ({what}; ffmpeg: {last})")
         raise EncoderError(f"ffmpeg could not {what}: {last}")
+
+
+def pin_encoder() -> str:
+    """Find ffmpeg once, before any request runs, and pin it for this process (IMAGEIO_FFMPEG_EXE).
+
+    imageio-ffmpeg otherwise validates its binary on first use by running `ffmpeg -version` in our process
+    group: a Ctrl-C to the group, or a failed fork on a loaded node, at that moment makes the first MP4 of
+    the run fail with "No ffmpeg exe could be found". RuntimeError when there is none at all."""
+    import imageio_ffmpeg
+
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+    os.environ.setdefault("IMAGEIO_FFMPEG_EXE", exe)
+    return exe

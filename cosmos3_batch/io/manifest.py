@@ -44,6 +44,7 @@ SCHEMA = pa.schema(
         ("model_digest", pa.string()),
         ("request_hash", pa.string()),
         ("output_key", pa.string()),  # SHA-256 of the request hash, the model identity, --vae-tiling
+        ("inputs", pa.string()),  # JSON: each input file -> {bytes, mtime_ns, sha256}, as resume compares
         (
             "files",
             pa.string(),
@@ -119,14 +120,15 @@ def recorded_sidecars(out: Path) -> dict[str, tuple[tuple, dict]]:
     if dataset.of(out).format != "files":
         return {}
     try:
-        columns = ["id", "status", "request_hash", "output_key", "files", *STAMP]
+        columns = ["id", "status", "request_hash", "output_key", "inputs", "files", *STAMP]
         table = pq.read_table(out / NAME, columns=columns).to_pydict()
     except (OSError, pa.ArrowException, KeyError):
         return {}
     found = {}
-    for rid, status, content, key, files, *stamp in zip(*(table[c] for c in columns), strict=True):
+    for rid, status, content, key, inputs, files, *stamp in zip(*(table[c] for c in columns), strict=True):
         if status == "ok" and files and None not in stamp:
             sidecar = {"status": "complete", "request_hash": content, "output_key": key}
+            sidecar["inputs"] = None if inputs is None else json.loads(inputs)
             found[rid] = (tuple(stamp), {**sidecar, "files": json.loads(files)})
     return found
 
@@ -171,6 +173,7 @@ def _complete(output: Output, row: dict | None, fmt: str) -> dict:
         "model_digest": record.get("model_digest"),
         "request_hash": record.get("request_hash"),
         "output_key": record.get("output_key"),
+        "inputs": None if record.get("inputs") is None else json.dumps(record["inputs"], sort_keys=True),
         "files": json.dumps(record.get("files") or record.get("members") or {}, sort_keys=True),
         "rank": rank,
         "forwards": _forwards(record.get("cache")),

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from cosmos3_batch.io.ffmpeg import EncoderError, run_ffmpeg
-from cosmos3_batch.io.space import disk_errno
+from cosmos3_batch.io.inputs import inputs_changed
+from cosmos3_batch.io.space import check_folder, disk_errno
 
 # The sidecar's `files` keys besides the media, and the suffix of each one's file.
 _SUFFIXES = {"latents": "latents.safetensors", "wav": "wav", "actions": "actions.safetensors",
@@ -154,6 +155,7 @@ def readable_actions(actions, request) -> dict:
 
 def check_writable(out_dir: Path) -> None:
     """Fail before any weight is loaded if --out cannot take files."""
+    check_folder(out_dir)  # a file in the way is said so (mkdir says only "File exists")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # mkstemp creates a new file (O_EXCL): a planted symlink is never followed.
@@ -336,6 +338,8 @@ def is_complete(
         return False, "request changed since it was generated"
     if sidecar.get("output_key") != output_key:
         return False, "model or decode settings changed since it was generated"
+    if (changed := inputs_changed(sidecar.get("inputs"))) is not None:
+        return False, changed
     files = sidecar.get("files")
     # Only our own file names count, each inside --out with the size the sidecar recorded; anything
     # else (no media entry, a path, a malformed entry) means "not complete", never a crash.
@@ -384,16 +388,3 @@ def _sidecar_now(path: Path, recorded: tuple[tuple, dict] | None) -> dict | None
     except (OSError, ValueError):
         return None
     return sidecar if isinstance(sidecar, dict) else None
-
-
-def pin_encoder() -> str:
-    """Find ffmpeg once, before any request runs, and pin it for this process (IMAGEIO_FFMPEG_EXE).
-
-    imageio-ffmpeg otherwise validates its binary on first use by running `ffmpeg -version` in our process
-    group: a Ctrl-C to the group, or a failed fork on a loaded node, at that moment makes the first MP4 of
-    the run fail with "No ffmpeg exe could be found". RuntimeError when there is none at all."""
-    import imageio_ffmpeg
-
-    exe = imageio_ffmpeg.get_ffmpeg_exe()
-    os.environ.setdefault("IMAGEIO_FFMPEG_EXE", exe)
-    return exe

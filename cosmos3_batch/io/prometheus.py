@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 PREFIX = "cosmos3_batch_"
 LABELS = ("job", "array_task")
 STATES = ("done", "failed", "interrupted", "pending", "skipped")
+PHASES = ("validating", "loading", "running", "ending")  # a job's phases, in order
 HELP = {  # docs/running.md lists the same
     "requests": "Requests of this job by state (skipped: already complete when it started)",
     "outputs_per_second": "Outputs written per second over the window since the previous write",
@@ -23,8 +24,9 @@ HELP = {  # docs/running.md lists the same
     "stall_seconds": "Seconds compute waited for a layer part, summed over ranks",
     "job_start_time_seconds": "When the job started, unix time",
     "running": "1 while the job runs, 0 once it has ended",
+    "phase": "1 for the phase the job is in (validating, loading, running, ending), 0 for the others",
     "rank_seconds_since_progress": "Seconds since the rank last reached the per-pass exchange "
-    "(rank 0 counts 0 while it waits there for the others)",
+    "(rank 0 counts 0 while it waits there for the others); before the passes, since the phase began",
 }
 
 
@@ -41,6 +43,7 @@ class Snapshot:
     since_progress: list[float] = field(default_factory=list)  # per rank
     start_time: float = 0.0  # unix seconds
     running: bool = True
+    phase: str = PHASES[0]
 
 
 def job_labels(environ: dict, shard: tuple[int, int] | None) -> dict[str, str]:
@@ -77,6 +80,10 @@ class _Figures:
             family = kind(PREFIX + name, HELP[name], labels=labels)
             family.add_metric(values, value)
             yield family
+        phase = GaugeMetricFamily(PREFIX + "phase", HELP["phase"], labels=[*labels, "phase"])
+        for name in PHASES:
+            phase.add_metric([*values, name], float(name == s.phase))
+        yield phase
         since = PREFIX + "rank_seconds_since_progress"
         family = GaugeMetricFamily(since, HELP["rank_seconds_since_progress"], labels=[*labels, "rank"])
         for rank, seconds in enumerate(s.since_progress):

@@ -218,6 +218,7 @@ def sample_complete(
 ) -> tuple[bool, str]:
     """Resume's check of a request against its newest finalized sample: same request, model and decode
     settings, and every member it must have (as `outputs.is_complete` checks a sidecar)."""
+    from cosmos3_batch.io.inputs import inputs_changed
     from cosmos3_batch.io.shards import member_suffixes
 
     if found is None:
@@ -226,6 +227,8 @@ def sample_complete(
         return False, "request changed since it was generated"
     if found.sample.get("output_key") != key:
         return False, "model or decode settings changed since it was generated"
+    if (changed := inputs_changed(found.sample.get("inputs"))) is not None:
+        return False, changed
     missing = [s for s in member_suffixes(request, save_latents) if s not in found.sample.get("members", {})]
     if missing:
         return False, f"its sample has no {', '.join(missing)} member"

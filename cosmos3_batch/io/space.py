@@ -95,3 +95,14 @@ def check_room(out: Path, needed: int, what: str) -> None:
             f"--out {out}: {describe_free(out)}, but {what} needs about {human_bytes(needed)}: "
             "free space or choose another --out"
         )
+
+
+def check_folder(out_dir: Path) -> None:
+    """ValueError when --out, or the nearest of its parents that exists, is not a folder (mkdir would say
+    only "File exists" or "Not a directory")."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists() or path.is_symlink():
+            if path.is_dir():
+                return
+            where = "is a file" if path == out_dir else f"cannot be made: {path} is a file"
+            raise ValueError(f"--out {out_dir}: {where}, not a folder")

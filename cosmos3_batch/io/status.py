@@ -2,8 +2,10 @@
 
 Reads finalized files only (sidecars, shard indexes, the metrics part files whose torn last line is
 skipped), so it is safe while the job runs. Per request: done (a complete output), failed, interrupted
-(the latest record says so), or pending (in the input, no record: needs --input). The rate is the outputs
-that became final in the last hour; the ETA is what is left at that rate. With `--json`, also the figures
+(the latest record says so), or pending (in the input, no record: needs --input; null in --json without
+it). The rate is the outputs that became final in the last hour over the time they were being generated
+(each output's own timings, overlaps counted once): a stop between two runs is not generation time; the
+ETA is what is left at that rate. With `--json`, also the figures
 the last run of each summary file ended with (`runs`): what `--metrics-textfile`'s counters end at.
 """
 
@@ -40,17 +42,20 @@ def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | Non
     known = (set(done) | set(rows)) if wanted is None else wanted
     state = {rid: _state(rid, done, rows) for rid in known}
     counts = Counter(state.values())
-    recent = sum(1 for rid, output in done.items() if output.finished >= now - WINDOW_S and rid in known)
+    latest = [output for rid, output in done.items() if output.finished >= now - WINDOW_S and rid in known]
+    recent, busy = len(latest), generation_seconds(latest, now - WINDOW_S)
     left = len(known) - counts["done"] - counts["blocked"]  # a rerun generates the failed ones again too
-    per_hour = recent * 3600.0 / WINDOW_S
+    per_hour = recent * 3600.0 / (busy if busy > 0 else WINDOW_S)  # no timings recorded: over the hour
     report = {
         "out": str(out),
         "format": dataset.of(out).format,
         "requests": len(known),
         **{name: counts[name] for name in STATES},
         "blocked": counts["blocked"],  # by the guardrails (docs/guardrails.md): final, as done is
+        "pending": counts["pending"] if wanted is not None else None,  # unknown without --input
         "pending_known": wanted is not None,
         "outputs_last_hour": recent,
+        "generation_s_last_hour": round(busy, 3),
         "outputs_per_hour": per_hour,
         "eta_hours": 0.0 if not left else (left / per_hour if per_hour > 0 else None),
         "all_done": left == 0 and len(known) > 0,
@@ -62,10 +67,30 @@ def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | Non
         for rid, value in state.items():
             tasks.setdefault(f"{shard_index(rid, count)}/{count}", Counter())[value] += 1
         report["array_tasks"] = {
-            task: {name: tally[name] for name in STATES}
+            task: {name: tally[name] if name != "pending" or wanted is not None else None for name in STATES}
             for task, tally in sorted(tasks.items(), key=_task_order)
         }
     return report
+
+
+def generation_seconds(outputs: Iterable, since: float) -> float:
+    """Seconds after `since` in which some output was being generated: each output's span ends when it
+    became final and lasts its timings (prepare, denoise, decode, write); overlapping spans (the requests of
+    one pass, the ranks) count once, the time no output was in the making (a stop, a requeue) not at all."""
+    spans = sorted((max(o.finished - _busy_s(o.record), since), o.finished) for o in outputs)
+    total, reach = 0.0, since
+    for start, end in spans:
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+        reach = max(reach, end)
+    return total
+
+
+def _busy_s(record: dict) -> float:
+    timings = record.get("timings") or {}
+    values = (timings.get(key) for key in ("prepare_s", "denoise_s", "decode_s", "write_s"))
+    return sum(v for v in values if isinstance(v, int | float) and not isinstance(v, bool) and v > 0)
 
 
 def last_runs(out: Path) -> dict[str, dict]:
@@ -114,6 +139,10 @@ def array_counts(out: Path) -> list[int]:
     return sorted(seen)
 
 
+def _shown(count: int | None) -> str:
+    return "?" if count is None else str(count)
+
+
 def describe(report: dict) -> str:
     pending = str(report["pending"]) if report["pending_known"] else "? (give --input)"
     lines = [
@@ -123,8 +152,9 @@ def describe(report: dict) -> str:
     ]
     eta = report["eta_hours"]
     when = "-" if eta is None else f"{eta:.2f} h"
-    lines.append(f"last hour: {report['outputs_last_hour']} outputs ({report['outputs_per_hour']:.1f}/hour); "
-                 f"ETA {when}")  # fmt: skip
+    busy = f"{report['generation_s_last_hour']:.0f} s of generation"
+    lines.append(f"last hour: {report['outputs_last_hour']} outputs in {busy} "
+                 f"({report['outputs_per_hour']:.1f}/hour); ETA {when}")  # fmt: skip
     for task, tally in report.get("array_tasks", {}).items():
-        lines.append(f"  array task {task}: " + ", ".join(f"{tally[n]} {n}" for n in STATES))
+        lines.append(f"  array task {task}: " + ", ".join(f"{_shown(tally[n])} {n}" for n in STATES))
     return "\n".join(lines)

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch.distributed as dist
+
 log = logging.getLogger("cosmos3_batch")
 
 BOUND_S = 60.0  # the longest the survivors wait for each other after their own timeout fired
@@ -39,6 +41,7 @@ _PHASES = {
     "share": "an --sp group's shared step-cache distances",
     "agree": "an --sp agreement",
     "broadcast": "a VAE group exchange (encode)",
+    "read": "a host read of the device",  # `read:<what>`: the host blocks on a stream (PassSync.host_read)
 }
 
 
@@ -46,6 +49,11 @@ def peer_failure(exc: BaseException) -> str | None:
     """STALLED or DIED when `exc` (or what it was raised from) is a collective a peer failed, else None."""
     seen: BaseException | None = exc
     while seen is not None:
+        if isinstance(seen, dist.DistBackendError | dist.DistNetworkError):
+            # The backend's own error (NCCL's watchdog, an aborted communicator, the store's connection): a
+            # peer's by its type, wherever the host met it (a collective, or a read of a stream it stalled).
+            text = str(seen).lower()
+            return STALLED if any(marker in text for marker in _MARKERS[STALLED]) else DIED
         if isinstance(seen, RuntimeError):
             text = str(seen).lower()
             for kind, markers in _MARKERS.items():
@@ -88,6 +96,8 @@ class Place:
 def phase(event: str) -> str:
     """A trace event (`all_reduce:11`, `part:3.gen`, `all_to_all:...`) as the line and the warning say it."""
     head = event.split(":", 1)[0]
+    if head == "read":
+        return f"{_PHASES[head]} ({event.split(':', 1)[1]})"
     if head != "part":
         return _PHASES.get(head, head)
     layer, part = event.split(":", 1)[1].split(".")
@@ -119,8 +129,6 @@ def _meet(rank: int, world_size: int, kind: str, bound_s: float) -> tuple[list[i
     """(the ranks that never came, whether this rank speaks, the job's kind of failure). A survivor whose
     collective broke because another survivor had already left sees a death; if any survivor timed out
     waiting, the rank that never came stalled."""
-    import torch.distributed as dist
-
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timedelta(seconds=bound_s),

@@ -14,6 +14,15 @@ order because they walk the same modules; a decode runs on the finisher thread w
 its own, the encode on the pass loop's thread with the `--sp` group's, so neither interleaves with the
 other's messages.
 
+On a GPU the decode team's group is gloo, its messages staged through host memory (`host_staged`): the
+finisher thread issues them while the pass loop's thread issues the layer gathers and `--sp` all-to-alls on
+NCCL, at moments that differ per rank, and NCCL documents that communicators used concurrently from threads
+whose order differs across ranks can deadlock (their kernels block the device waiting for peers). gloo
+messages are host calls: they hold no device resource and no stream, so no order between the two threads
+matters. The decode's copies to and from host memory wait on the finisher's own stream only. The encode
+team stays on the `--sp` group's NCCL communicator: the pass loop's thread issues it in its one order, as it
+does the gathers. `warm_up` makes every connection a decode will use before the pass loop starts.
+
 A call of the process group that fails (posting or waiting) raises `PeerLost`: gloo and NCCL raise a plain
 RuntimeError for a closed connection or a timeout, and the team must tell that from its own compute's
 failure to say which one ended the job. The encode's whole-group broadcasts are noted in the pass trace
@@ -56,16 +65,20 @@ def _checked(call: Callable):
 class _Work:
     """A posted message: its `wait` raises PeerLost if it fails, and is marked as a wait for `who`."""
 
-    def __init__(self, work, group: PatchGroup, who: str | None):
+    def __init__(self, work, group: PatchGroup, who: str | None, staged=None):
         self.work, self.group, self.who = work, group, who
+        self.staged = staged  # (host buffer, its device tensor): filled from the host once received
 
     def wait(self) -> None:
         mark = self.group.mark
         if mark is None:
             _checked(self.work.wait)
-            return
-        with mark.waiting(self.group.what, self.who):
-            _checked(self.work.wait)
+        else:
+            with mark.waiting(self.group.what, self.who):
+                _checked(self.work.wait)
+        if self.staged is not None:
+            host, device = self.staged
+            device.copy_(host)
 
 
 @dataclass
@@ -82,6 +95,10 @@ class PatchGroup:
     # the finisher's for decodes) and how the warning names these messages.
     mark: WaitMark | None = None
     what: str = "a VAE group exchange (decode)"
+    host_staged: bool = False  # a gloo group for device tensors: messages go through host memory
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cpu", copy=True) if self.host_staged else tensor
 
     @property
     def member(self) -> bool:
@@ -99,25 +116,49 @@ class PatchGroup:
             self.note(f"broadcast:{'x'.join(map(str, tensor.shape))}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        _Work(_checked(lambda: self.pg.broadcast([tensor], opts)), self, peers(self.size)).wait()
+        host = self._host(tensor)
+        staged = (host, tensor) if host is not tensor else None
+        _Work(_checked(lambda: self.pg.broadcast([host], opts)), self, peers(self.size), staged).wait()
         return tensor
+
+    def warm_up(self) -> None:
+        """One broadcast, then one message each way between neighbours (as a halo moves: down, then up),
+        before the pass loop: every connection a decode uses is made at start, none mid-run. Counts
+        nothing (the message counters are the decodes')."""
+        self.share_int(0)
+        probe = torch.zeros(1, device=self.device)
+        for low in range(self.parts - 1):
+            for src, dst in ((low, low + 1), (low + 1, low)):
+                if self.index == src:
+                    _Work(_checked(lambda d=dst: self.pg.send([self._host(probe)], d, 0)), self, None).wait()
+                elif self.index == dst:
+                    box = [self._host(probe.clone())]
+                    _Work(_checked(lambda s=src, b=box: self.pg.recv(b, s, 0)), self, None).wait()
 
     def share_int(self, value: int, root: int = 0) -> int:
         """`value` of pg rank `root`, on every rank of pg."""
-        return int(self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device), root).item())
+        shared = self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device), root)
+        if self.mark is None:  # NCCL: the broadcast returned once queued; the read waits for it
+            return int(_checked(shared.item))
+        with self.mark.waiting(self.what, peers(self.size)):
+            return int(_checked(shared.item))
 
     def _send(self, tensor: torch.Tensor, to: int):
         tensor = tensor.contiguous()
         self.messages += 1
         self.sent_bytes += tensor.numel() * tensor.element_size()
-        # The tensor is kept alive until the send is waited on.
+        # The tensor is kept alive until the send is waited on (staged: its host copy).
+        tensor = self._host(tensor)
         return _Work(_checked(lambda: self.pg.send([tensor], to, 0)), self, f"rank {to}"), tensor
 
     def _recv(self, like: torch.Tensor, rows: int, dim: int, source: int):
         shape = list(like.shape)
         shape[dim] = rows
         buffer = like.new_empty(shape)
-        return _Work(_checked(lambda: self.pg.recv([buffer], source, 0)), self, f"rank {source}"), buffer
+        host = self._host(buffer)
+        staged = (host, buffer) if host is not buffer else None
+        work = _Work(_checked(lambda: self.pg.recv([host], source, 0)), self, f"rank {source}", staged)
+        return work, buffer
 
 
 class _Bound:
@@ -194,13 +235,15 @@ def build_decode_group(
     `new_group`); None on the group's other ranks and at P = 1."""
     if parts == 1:
         return None
-    backend = "nccl" if device.type == "cuda" else "gloo"
     mine = None
     for ranks in group_ranks(world_size, sp):
         team = ranks[:parts]
-        group = dist.new_group(team, backend=backend, timeout=timedelta(seconds=timeout_s))
+        # gloo on every device (the module doc says why): on a GPU its messages are staged through the host.
+        group = dist.new_group(team, backend="gloo", timeout=timedelta(seconds=timeout_s))
         if rank in team:
-            mine = PatchGroup(group, team.index(rank), parts, parts, device)
+            mine = PatchGroup(
+                group, team.index(rank), parts, parts, device, host_staged=device.type == "cuda"
+            )
     return mine
 
 

@@ -55,7 +55,7 @@ def plan_job(
     `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse).
     `guardrails`: as `run --guardrails`; None: on for a real checkpoint, off for make-tiny's (and none)."""
     from cosmos3_batch.engine.transport import parse_offload
-    from cosmos3_batch.requests.parse import load_requests
+    from cosmos3_batch.plan.validate import checked_requests
 
     rule = rule if rule is not None else PrefillRule()
     _check_flags(nproc, nnodes, samples, sp, vae_parts, vae_tiling)
@@ -67,9 +67,10 @@ def plan_job(
         check_model(sp, checkpoint.config("transformer"))
         check_patchable(checkpoint.config("vae"), vae_parts)
     limits = _limits(checkpoint, max_vision_tokens)
-    requests = load_requests(
-        prompts, limits, samples=samples, columns=columns, stdin=stdin, input_format=input_format
-    )[0]
+    # What run refuses before loading, plan refuses in the same words (with --model: the token counts too).
+    requests = checked_requests(
+        prompts, checkpoint, limits, samples=samples, columns=columns, stdin=stdin, input_format=input_format
+    )
     requests = _in_shard(requests, shard)
     if cache is not None:
         check_cache(cache[0], requests)  # what run refuses with --cache sea, plan refuses too

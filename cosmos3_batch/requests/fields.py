@@ -125,11 +125,29 @@ def check_keys(out: LineErrors, obj: JsonObject) -> None:
     if not unknown:
         return
     names = ", ".join(_show(key) for key in unknown)
-    close = {key: difflib.get_close_matches(key, ALLOWED_KEYS, n=1) for key in unknown}
+    columns = _column_hints(obj, unknown)
+    close = {key: difflib.get_close_matches(key, ALLOWED_KEYS, n=1) for key in unknown if key not in columns}
     hints = [f"{_show(key)} -> {match[0]!r}" for key, match in close.items() if match]
     hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    hint += f" ({'; '.join(columns.values())})" if columns else ""
     plural = "s" if len(unknown) > 1 else ""
     out.add(unknown[0], f"unknown key{plural} {names}{hint}; allowed keys: {', '.join(ALLOWED_KEYS)}")
+
+
+# Common names of a dataset's prompt and id columns: `--prompt-column` / `--id-column` read them as such.
+PROMPT_LIKE = ("caption", "text", "description", "instruction", "prompt_text", "captions", "sentence")
+ID_LIKE = ("key", "uid", "uuid", "name", "__key__", "sample_id", "video_id", "image_id", "idx")
+
+
+def _column_hints(obj: JsonObject, unknown: list[str]) -> dict[str, str]:
+    """Unknown key -> the flag that reads it as the prompt or the id (only while that field is absent)."""
+    hints = {}
+    for target, names in (("prompt", PROMPT_LIKE), ("id", ID_LIKE)):
+        found = [key for key in unknown if isinstance(key, str) and key.lower() in names]
+        if found and target not in obj:
+            key = found[0]
+            hints[key] = f"{_show(key)} holds the {target}? pass --{target}-column {key}"
+    return hints
 
 
 def check_id(out: LineErrors, obj: JsonObject, line: int) -> str | None:

@@ -243,7 +243,10 @@ def load_requests(
     RequestFileError with all problems unless skip_invalid. `input_format`: --input-format (auto: NVIDIA
     cosmos-framework sample files are told apart by their keys, requests/cosmos_load.py).
 
-    With skip_invalid the valid requests come back with the errors, for the caller to record.
+    With skip_invalid the valid requests come back with the errors, for the caller to record. An input that
+    is missing, unreadable, undecodable as a whole or holds no request (a glob matching nothing too) is a
+    configuration error all the same: skip_invalid skips invalid requests, never missing inputs (a Slurm
+    array task with a typo in its file name must not "succeed" having generated nothing).
     """
     arguments = [os.fspath(paths)] if isinstance(paths, str | os.PathLike) else [os.fspath(p) for p in paths]
     found, missing = expand(arguments)
@@ -254,9 +257,19 @@ def load_requests(
         ]
         requests, errors = settle(sources, *parse_sources(sources, limits, samples))
     errors = [RequestError(0, None, "no file matches this pattern", source=glob) for glob in missing] + errors
-    if errors and not skip_invalid:
-        raise RequestFileError(", ".join(arguments), errors)
+    inputs = [error for error in errors if error.line == 0]  # the whole input, not one of its requests
+    if inputs or (errors and not skip_invalid):
+        raise RequestFileError(", ".join(arguments), errors if not skip_invalid else inputs)
     return requests, errors
+
+
+def by_request(errors: Iterable[RequestError]) -> list[list[RequestError]]:
+    """The errors of each invalid request (its file and place), in the order first met: one list per
+    request, so counts count requests, not errors."""
+    groups: dict[tuple[str, int], list[RequestError]] = {}
+    for error in errors:
+        groups.setdefault((error.source, error.line), []).append(error)
+    return list(groups.values())
 
 
 @contextlib.contextmanager

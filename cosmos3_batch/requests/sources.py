@@ -147,9 +147,14 @@ def _object_from_pairs(pairs: list[tuple[str, Any]]) -> JsonObject:
     return obj
 
 
+ARRAY_HINT = "a JSON array? name the file .json, or write one object per line"
+LINES_HINT = "one object per line is JSONL: name the file .jsonl"
+
+
 def jsonl_items(data: bytes) -> Iterator[Item]:
     # Split on b"\n" only, so line numbers are the ones an editor and `wc -l` show; a "\r" left by CRLF
     # files is whitespace to the JSON parser.
+    first = True  # the first line holding something: where a JSON array saved as .jsonl shows
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")
@@ -162,6 +167,9 @@ def jsonl_items(data: bytes) -> Iterator[Item]:
         if not text.strip() or text.lstrip().startswith("#"):
             continue
         obj, problem = parse_object(text)
+        if first and problem is not None and text.lstrip().startswith("["):
+            problem = f"{problem} ({ARRAY_HINT})"
+        first = False
         yield Item(number, obj, problem)
 
 
@@ -173,7 +181,10 @@ def _json_items(data: bytes) -> Iterator[Item]:
     except UnicodeDecodeError as exc:
         raise _Unreadable(f"not valid UTF-8 (byte offset {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise _Unreadable(f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        # JSONL saved as .json: the first object parses, the next line is "extra data".
+        hint = f"; {LINES_HINT}" if exc.msg == "Extra data" and exc.doc.lstrip().startswith("{") else ""
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise _Unreadable(f"not valid JSON: {exc.msg} ({where}{hint})") from None
     except (ValueError, RecursionError):
         raise _Unreadable("not valid JSON: a number has too many digits or it is nested too deeply") from None
     if isinstance(doc, dict):

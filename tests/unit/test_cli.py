@@ -143,8 +143,7 @@ def test_skip_invalid_runs_the_valid_lines(tmp_path, tiny_ckpt):
         {
             "file": str(prompts),
             "line": 2,
-            "field": "seed",
-            "error": "must be an integer, got a boolean (true)",
+            "errors": [{"field": "seed", "error": "must be an integer, got a boolean (true)"}],
         }
     ]
 

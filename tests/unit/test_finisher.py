@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import pytest
 import torch
 
 from cosmos3_batch.pipeline.finish.finisher import Finisher
@@ -124,6 +125,23 @@ def test_a_failed_decode_waits_for_its_side_stream_before_reporting():
         "side waits ready",
         "report result",  # a good decode ends in host copies: no extra wait
     ]
+
+
+class _LostPeerJob:
+    def decode(self):
+        raise torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1")
+
+
+def test_a_decode_that_meets_a_lost_peer_ends_the_job_instead_of_failing_its_request():
+    log: list[str] = []
+    finisher = Finisher(lambda job, result, error: log.append(error or result), torch.device("cpu"))
+    finisher.submit(_LostPeerJob())
+    finisher.submit(_FineJob())
+    finisher.close()
+    assert log == ["result"]  # no failure reported for the lost peer's request: the rerun redoes it
+    with pytest.raises(torch.distributed.DistBackendError, match="aborted on rank 1"):
+        finisher.check()  # the pass loop's next pass ends the job (exit 69)
+    assert finisher.mark.state is None  # the decode's wait mark was cleared on the way out
 
 
 def _lines(rows: list[str]):

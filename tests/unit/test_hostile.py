@@ -526,7 +526,8 @@ def test_out_that_cannot_be_created_exits_2(tmp_path: Path, tiny_ckpt: Path, whe
     prompts.write_bytes(jsonl(VALID))
     result = invoke("run", prompts, "--model", tiny_ckpt, "--out", out, "--no-progress")
     assert result.exit_code == 2, result.output
-    assert f"--out {out}: cannot write there" in result.output
+    where = "is a file" if out == blocker else f"cannot be made: {blocker} is a file"
+    assert f"error: --out {out}: {where}, not a folder\n" in result.output
     assert blocker.read_text() == "a regular file\n"
 
 

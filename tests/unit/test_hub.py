@@ -47,7 +47,7 @@ def test_an_uncached_repo_names_repo_revision_cache_and_the_command(hub):
         resolve_model("org/missing@v2")
     assert str(err.value) == (
         f"--model org/missing@v2: offline (HF_HUB_OFFLINE=1): not in the Hugging Face cache {hub}; "
-        "download it first: huggingface-cli download org/missing --revision v2 "
+        "download it first: hf download org/missing --revision v2 "
         f"(and no folder {Path('org/missing@v2').resolve()} exists)"
     )
     with pytest.raises(ValueError, match="not a checkpoint folder nor a Hugging Face repo id"):

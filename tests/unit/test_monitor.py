@@ -174,3 +174,35 @@ def test_the_textfile_parses_back_with_the_counts_and_labels(tmp_path):
     ranks = found["cosmos3_batch_rank_seconds_since_progress"].samples
     assert [s.labels["rank"] for s in ranks] == ["0", "1"]
     assert not list(tmp_path.glob("*.tmp*")), "written through a temporary and renamed"
+
+
+def _phase_and_since(path):
+    found = {f.name: f for f in text_string_to_metric_families(path.read_text())}
+    phase = {s.labels["phase"]: s.value for s in found["cosmos3_batch_phase"].samples}
+    since = [s.value for s in found["cosmos3_batch_rank_seconds_since_progress"].samples]
+    return [name for name, on in phase.items() if on == 1.0], since, found["cosmos3_batch_running"].samples
+
+
+def test_the_textfile_is_there_from_the_jobs_first_second_phase_by_phase(tmp_path, monkeypatch):
+    """Issue 43: written at start (validating), again at each phase, growing seconds since progress while a
+    rank loads, then the exchange's figures once the passes run, and `ending` with running 0."""
+    path = tmp_path / "m.prom"
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monitor = JobMonitor(None, 30, path, interval_s=3600, world_size=2)
+    monitor.start()  # its thread writes only every interval: what is on disk now is start's own write
+    phases, since, running = _phase_and_since(path)
+    assert phases == ["validating"] and since == [0.0, 0.0] and running[0].value == 1.0
+    monitor.phase("loading")
+    clock[0] += 42.0  # a slow cold read
+    monitor.write()
+    phases, since, _ = _phase_and_since(path)
+    assert phases == ["loading"] and since == [42.0, 42.0]
+    sync = PassSync(world_size=2)
+    monitor.attach(sync, 5, 1)
+    phases, since, _ = _phase_and_since(path)
+    assert phases == ["running"] and since == [0.0, 0.0]  # the exchange's: just made
+    monitor.phase("ending")
+    monitor.close()
+    phases, _, running = _phase_and_since(path)
+    assert phases == ["ending"] and running[0].value == 0.0

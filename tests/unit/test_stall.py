@@ -25,6 +25,19 @@ def test_a_timeout_is_a_stall_a_closed_connection_a_death_and_anything_else_our_
     assert peer_failure(ValueError("timed out")) is None  # only the errors a collective raises
 
 
+def test_a_backend_error_is_a_peer_by_its_type_wherever_the_host_met_it():
+    # NCCL's watchdog and an aborted communicator reach a host read of a stream (a `.tolist()`, a decode's
+    # `.cpu()`) as DistBackendError: a lost peer (exit 69), never this rank's own compute.
+    assert peer_failure(dist.DistBackendError("Watchdog caught collective operation timeout")) == STALLED
+    assert peer_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1")) == DIED
+    assert peer_failure(dist.DistNetworkError("failed to recv, got 0 bytes")) == DIED
+    place = Place(timeout_s=30)
+    place.enter("passes", 30, "--collective-timeout-s")
+    place.note("all_reduce:12")
+    place.event = "read:the step cache's distances"  # PassSync.host_read: a place, no trace entry
+    assert place.describe() == "pass 0, a host read of the device (the step cache's distances)"
+
+
 def test_the_place_names_the_pass_and_the_collective_from_the_trace_events():
     place = Place(timeout_s=30)
     assert place.describe() == "start-up"

@@ -155,3 +155,32 @@ def test_the_ranks_that_write_nothing_keep_no_pieces(ctx, folder):
         job.finish_step()
     assert job.chunk_id == 2 and job.done
     assert job.pieces == [] and job.chunk_latents == [] and job.vae_calls["decodes"] == 2
+
+
+def test_a_chains_files_are_read_and_prepared_off_the_loop_thread(ctx, folder, monkeypatch):
+    """Issue 48: reading a Transfer request's controls and preprocessing them (seconds of host work for a
+    long clip) happen ahead of its admission on the transfer-inputs thread, never on the pass loop's, where
+    every other rank would wait for them at the next exchange; the bits are those of inline preparation."""
+    from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
+
+    requests = _requests(folder, [T2V, CHAIN, {**CHAIN, "id": "chain2", "seed": 6}])
+    threads: list[tuple[str, str]] = []
+    for name in ("prepare_controls", "load_control"):
+        real = getattr(transfer_chunks, name)
+
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            threads.append((_name, threading.current_thread().name))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(transfer_chunks, name, recorded)
+    ahead, errors, _ = _run(ctx, requests, gap=2, max_active=1)
+    assert errors == {}
+    off_loop = sorted(threads)
+    assert [what for what, _ in off_loop] == ["load_control"] * 2 + ["prepare_controls"] * 2
+    assert all(thread.startswith("transfer-inputs") for _, thread in off_loop), off_loop
+    threads.clear()
+    monkeypatch.setattr(AheadOfAdmission, "look", lambda self, queue: None)  # nothing started ahead
+    inline, errors, _ = _run(ctx, requests, gap=2, max_active=1)
+    assert errors == {} and {thread for _, thread in threads} == {threading.main_thread().name}
+    for rid in ("chain", "chain2"):
+        assert torch.equal(ahead[rid].latents, inline[rid].latents)

@@ -56,9 +56,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def in_threads(ranks: int, fn, timeout_s: float = 60.0) -> list:
+def in_threads(ranks: int, fn, timeout_s: float = 60.0, staged: bool = False) -> list:
     """fn(PatchGroup) on `ranks` threads, each with its rank of one in-process gloo group; the results (an
-    exception where fn raised)."""
+    exception where fn raised). `staged`: the group's messages through host buffers, as on a GPU."""
     store, groups, out = dist.HashStore(), [None] * ranks, [None] * ranks
 
     def make(rank: int) -> None:
@@ -67,7 +67,7 @@ def in_threads(ranks: int, fn, timeout_s: float = 60.0) -> list:
     def work(rank: int) -> None:
         try:
             with torch.no_grad():
-                out[rank] = fn(PatchGroup(groups[rank], rank, ranks, ranks))
+                out[rank] = fn(PatchGroup(groups[rank], rank, ranks, ranks, host_staged=staged))
         except Exception as exc:
             out[rank] = exc
 
@@ -80,7 +80,9 @@ def in_threads(ranks: int, fn, timeout_s: float = 60.0) -> list:
     return out
 
 
-def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int = 1) -> tuple[torch.Tensor, list[PatchGroup]]:
+def split(
+    cut: Shard, x: torch.Tensor, walk, vae, scale: int = 1, staged: bool = False
+) -> tuple[torch.Tensor, list[PatchGroup]]:
     groups: list[PatchGroup] = []
 
     def one(group: PatchGroup):
@@ -89,7 +91,7 @@ def split(cut: Shard, x: torch.Tensor, walk, vae, scale: int = 1) -> tuple[torch
         shard = exchange.shard
         return exchange.collect(walk(vae, shard.of(x, scale), shard, exchange), cut.dim)
 
-    out = in_threads(len(cut.sizes), one)
+    out = in_threads(len(cut.sizes), one, staged=staged)
     for result in out:
         if isinstance(result, Exception):
             raise result
@@ -444,3 +446,26 @@ def test_plan_sizes_a_transfer_chains_decode_by_its_chunk(tmp_path, tiny_ckpt):
     assert docs["chain"]["estimate"]["decode_s"] == docs["chunk"]["estimate"]["decode_s"]
     decode = [docs[name]["estimate"]["device_breakdown"]["vae_decode"] for name in rows]
     assert decode[0] == decode[1] > 0
+
+
+def test_host_staged_messages_give_the_same_walk_and_counts(vae):
+    """On a GPU the decode team's group is gloo with its messages staged through host buffers (issue 48: no
+    NCCL from the finisher thread beside the loop's): the same bits and message counts as direct ones."""
+    cut = Shard(
+        3, (4, 4), 0
+    )  # two shards of its height, whatever this CPU's GEMM step (both walks cut alike)
+    z = torch.randn(1, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    direct, direct_groups = split(cut, z, decode_shard, vae)
+    staged, staged_groups = split(cut, z, decode_shard, vae, staged=True)
+    assert torch.equal(direct, staged)
+    assert [g.messages for g in direct_groups] == [g.messages for g in staged_groups] != [0, 0]
+    assert [g.sent_bytes for g in direct_groups] == [g.sent_bytes for g in staged_groups]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_decode_team_is_warmed_up_without_counting(staged):
+    def member(group):
+        group.warm_up()
+        return group.messages, group.sent_bytes
+
+    assert in_threads(3, member, timeout_s=30, staged=staged) == [(0, 0)] * 3

@@ -15,7 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from cosmos3_batch.parallel.waiting import WaitMark
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 
 Report = Callable[[RequestJob, Result | None, str | None], None]
@@ -32,6 +34,9 @@ class Finisher:
         init = (lambda: self.cuda.set_device(device)) if on_gpu else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finisher", initializer=init)
         self._pending: list[Future] = []
+        # Its waits (a decode's read of the device, a VAE group's messages), for rank 0's monitor.
+        self.mark = WaitMark("the finisher")
+        self.lost: BaseException | None = None  # a decode that met a lost peer: the loop ends the job
 
     def submit(self, job: RequestJob, write: bool = True) -> None:
         """Decode and write a request whose last step has been issued; `write=False`: decode only (a rank that
@@ -71,6 +76,12 @@ class Finisher:
             done.record(self._side)
         return out, done
 
+    def check(self) -> None:
+        """Called by the pass loop every pass: a decode that met a lost peer ends the job (exit 69), as the
+        loop's own collectives would a moment later, rather than fail its request alone."""
+        if self.lost is not None:
+            raise self.lost
+
     def fail(self, job: RequestJob, error: str) -> None:
         """Record a failure found by the loop, in order with the writes, without waiting for them."""
         self._queue(self.report, job, None, error)
@@ -87,12 +98,14 @@ class Finisher:
     @torch.no_grad()  # grad mode is per thread
     def _finish(self, job: RequestJob, ready, write: bool = True) -> None:
         try:
-            if ready is None:
-                result = job.decode()
-            else:
-                with self.cuda.stream(self._side):
-                    self._side.wait_event(ready)
-                    result = job.decode()  # ends in host copies, which wait for this stream only
+            # On a GPU the decode's host copies wait for its kernels, and those for what the streams hold.
+            with self.mark.waiting("a decode (a host read of the device)"):
+                if ready is None:
+                    result = job.decode()
+                else:
+                    with self.cuda.stream(self._side):
+                        self._side.wait_event(ready)
+                        result = job.decode()  # ends in host copies, which wait for this stream only
         except Exception as exc:
             if self._side is not None:
                 # A decode that failed midway may leave kernels queued on the side stream that read the
@@ -101,6 +114,9 @@ class Finisher:
                 # again under the running kernels. Wait for this one stream (error path only; not a
                 # device-wide sync) before letting go of them.
                 self._side.synchronize()
+            if isinstance(exc, dist.DistError):  # a lost peer's, not this request's: the loop ends the job
+                self.lost = exc
+                return
             if write:  # else the group's writer reports it (a broken group ends the job: vae_team.py)
                 self.report(job, None, f"{type(exc).__name__}: {exc}")
             return

@@ -18,6 +18,7 @@ from cosmos3_batch.io import outputs
 from cosmos3_batch.io.audio import write_wav_file
 from cosmos3_batch.io.catalog import complete_outputs
 from cosmos3_batch.io.ffmpeg import EncoderInterrupted
+from cosmos3_batch.io.inputs import input_record
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
@@ -292,6 +293,7 @@ class ResultWriter:
             **({} if r.sample is None else {"sample": {"name": r.sample, "file": r.source}}),  # NVIDIA's
             "request_hash": r.content_hash(),
             "output_key": output_key(r, self.model_identity, self.cfg.vae_tiling),
+            "inputs": input_record(r),  # the files it read: resume regenerates it if one changed
             "seed": r.seed,
             "tokens": job.tokens,
             "files": files,
@@ -356,8 +358,8 @@ class ResultWriter:
 
 
 # What a shard's index keeps of each sample's sidecar: resume's checks and the manifest's columns.
-INDEXED = ("id", "kind", "request", "request_hash", "output_key", "seed", "timings", "model", "model_digest",
-           "rank")  # fmt: skip
+INDEXED = ("id", "kind", "request", "request_hash", "output_key", "inputs", "seed", "timings", "model",
+           "model_digest", "rank")  # fmt: skip
 
 
 def _transfer_record(job) -> dict:

@@ -42,6 +42,8 @@ def load_model(cfg: RunConfig, world: World, plan: Plan, place: Place) -> Loaded
     decode_group = build_decode_group(
         world.rank, world.world_size, cfg.sp, parts, world.device, cfg.collective_timeout_s
     )
+    if decode_group is not None:  # its connections made now, by every member at this same point
+        decode_group.warm_up()
     if world.is_main and spans_nodes(cfg.sp, world.local_world_size):
         log.warning(
             "--sp %d does not divide the %d ranks per node: some groups' all-to-alls cross nodes",

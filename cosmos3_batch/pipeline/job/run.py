@@ -22,12 +22,13 @@ from cosmos3_batch.checkpoint.guardrail_cache import GuardrailRefusal
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import dataset, outputs
+from cosmos3_batch.io.ffmpeg import pin_encoder
 from cosmos3_batch.io.metrics import MetricsWriter, state_dir
 from cosmos3_batch.io.space import check_room, output_bytes
 from cosmos3_batch.model.limits import limits_for
 from cosmos3_batch.model.loading import validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
-from cosmos3_batch.model.prompts import build_helper, load_tokenizer, tokenize
+from cosmos3_batch.model.prompts import build_helper, load_tokenizer
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0, exit_as_one
 from cosmos3_batch.parallel.sequence import check_model, check_world
@@ -44,13 +45,14 @@ from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.pipeline.job.screen import guardrails_on, screen
-from cosmos3_batch.pipeline.job.summary import preview, rank_report
-from cosmos3_batch.pipeline.passes.monitor import final_counts, start_monitor
+from cosmos3_batch.pipeline.job.summary import describe_invalid, preview, rank_report
+from cosmos3_batch.pipeline.passes.monitor import JobMonitor, final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.pipeline.passes.weights import weights_report
 from cosmos3_batch.plan.cache import check_cache
 from cosmos3_batch.plan.schedule import assign, in_shard
-from cosmos3_batch.requests.parse import Request, RequestError, RequestFileError, load_requests
+from cosmos3_batch.plan.validate import model_limit, token_errors
+from cosmos3_batch.requests.parse import Request, RequestFileError, by_request, load_requests
 from cosmos3_batch.requests.sources import STDIN, Columns
 
 log = logging.getLogger("cosmos3_batch")
@@ -58,31 +60,6 @@ log = logging.getLogger("cosmos3_batch")
 
 class BadInput(ValueError):
     """Bad requests, flags or checkpoint, found before any weight was loaded (exit code 2)."""
-
-
-def token_errors(requests: list[Request], helper, model_limit: int) -> list[RequestError]:
-    """Prompts are tokenized with their templates exactly as generation will; over-long ones are rejected."""
-    errors: list[RequestError] = []
-    seen: set[tuple[str, int]] = set()
-    for r in requests:
-        if (r.source, r.line) in seen:  # the other samples of a line: the same prompts
-            continue
-        seen.add((r.source, r.line))
-        cond, uncond = tokenize(helper, r)
-        limit = min(model_limit, r.max_sequence_length or model_limit)
-        for name, ids in (("prompt", cond), ("negative_prompt", uncond)):
-            if len(ids) > limit:
-                errors.append(
-                    RequestError(
-                        r.line,
-                        name,
-                        f"{len(ids)} tokens after templating exceed the limit of {limit} "
-                        f"({'max_sequence_length' if r.max_sequence_length else 'the model'})",
-                        source=r.source,
-                        unit=r.unit,
-                    )
-                )
-    return errors
 
 
 def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, resume: bool = True) -> Plan:
@@ -130,8 +107,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     # Complete outputs were made from these very prompts by this model: their tokens need no second look
     # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
     done = {r.id for r in complete}
-    limit = int(getattr(tokenizer, "model_max_length", 1 << 30))
-    errors = token_errors([r for r in requests if r.id not in done], helper, limit)
+    errors = token_errors([r for r in requests if r.id not in done], helper, model_limit(tokenizer))
     invalid = invalid + errors
     if invalid and not cfg.skip_invalid:
         raise BadInput(str(RequestFileError(", ".join(cfg.prompts), invalid)))
@@ -220,26 +196,36 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     """The phases of a run: validate and plan (every rank alike), load, run the passes, end."""
     started = time.time()
     _quiet_other_ranks(world)
-    plan = _plan_everywhere(cfg, world)
-    if not plan.requests:  # nothing to do: no weight is read, no bar is shown
-        return end_run(cfg, world, plan, [], started)
-    _agreed(world, _pin_encoder)
-    # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
-    mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
-    loaded = load_model(cfg, world, plan, place)
-    place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
-    ranks = _passes(cfg, world, plan, loaded, mine, stop, started)
-    return end_run(cfg, world, plan, ranks, started)
+    # Rank 0's live figures (--metrics-textfile) from the first second, phase by phase.
+    monitor = start_monitor(cfg, world.world_size, started) if world.is_main else None
+    final = None
+    try:
+        plan = _plan_everywhere(cfg, world)
+        if not plan.requests:  # nothing to do: no weight is read, no bar is shown
+            _phase(monitor, "ending")
+            return end_run(cfg, world, plan, [], started)
+        _agreed(world, _pin_encoder)
+        # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
+        mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
+        _phase(monitor, "loading")
+        loaded = load_model(cfg, world, plan, place)
+        place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
+        ranks = _passes(cfg, world, plan, loaded, mine, stop, monitor)
+        final = final_counts(ranks)
+        _phase(monitor, "ending")
+        return end_run(cfg, world, plan, ranks, started)
+    finally:
+        if monitor is not None:  # also when a peer stalled or the input was bad: the job no longer runs
+            monitor.close(final)
+
+
+def _phase(monitor: JobMonitor | None, name: str) -> None:
+    if monitor is not None:
+        monitor.phase(name)
 
 
 def _passes(
-    cfg: RunConfig,
-    world: World,
-    plan: Plan,
-    loaded: Loaded,
-    mine: list[Request],
-    stop: StopRequest,
-    started: float,
+    cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, mine: list[Request], stop: StopRequest, monitor
 ) -> list[dict]:
     """This rank's queue through the pass loop; every rank's report, gathered."""
     show = cfg.progress and world.is_main
@@ -247,27 +233,20 @@ def _passes(
     guard = Guardrails(world.device) if plan.guardrails else None  # once per rank, on its device
     writer = _writer(cfg, world, plan, loaded, stop, guard)
     mine = screen(guard, cfg, world, mine, writer)  # blocked prompts are recorded, never admitted
-    monitor = None
-    if world.is_main:  # the lag warnings, and --metrics-textfile
-        monitor = start_monitor(cfg, loaded.sync, len(plan.requests), len(plan.complete), started)
+    if monitor is not None:  # the lag warnings, and --metrics-textfile, from the exchange from now on
+        monitor.attach(loaded.sync, len(plan.requests), len(plan.complete))
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
         # Their exactness rests on the BLAS computing a row alike whatever rows share its GEMM (numerics.py).
         warn_unless_strict(f"--sp {cfg.sp}" if cfg.sp > 1 else "batched branches")
     runner = _runner(cfg, loaded, writer, bar, stop, monitor)
-    final = None
-    try:
-        if monitor is not None:
-            monitor.passes = lambda: (runner.passes, runner.und_passes)
-        drive(cfg, world, runner, mine, writer, bar, stop)
-        gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
-        report = rank_report(world, runner, writer, gathers)
-        report["stop"] = stop.record()
-        report["weights"] = weights_report(loaded.ctx.split.fp8, calls=True)
-        ranks = world.all_gather_object(report)
-        final = final_counts(ranks)
-    finally:
-        if monitor is not None:  # also when a peer stalled: the file says the job no longer runs
-            monitor.close(final)
+    if monitor is not None:
+        monitor.passes = lambda: (runner.passes, runner.und_passes)
+    drive(cfg, world, runner, mine, writer, bar, stop)
+    gathers = cfg.offload in (OffloadMode.ALLGATHER, OffloadMode.SHARDED)
+    report = rank_report(world, runner, writer, gathers)
+    report["stop"] = stop.record()
+    report["weights"] = weights_report(loaded.ctx.split.fp8, calls=True)
+    ranks = world.all_gather_object(report)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
     bar.update(sum(r["ok"] + len(r["failed"]) + len(r["blocked"]) for r in ranks) - bar.bar.n)
     bar.close()
@@ -334,8 +313,10 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
         len(plan.requests),
         len(plan.complete),
         preview(r.id for r in plan.complete),
-        len(plan.invalid),
+        len(by_request(plan.invalid)),  # requests, not errors: a line with two errors is one
     )
+    if plan.invalid and world.is_main:
+        log.warning("skipped (--skip-invalid):\n%s", describe_invalid(plan.invalid))
     return plan
 
 
@@ -356,7 +337,7 @@ def _agreed(world: World, step):
 
 def _pin_encoder() -> None:
     try:
-        outputs.pin_encoder()
+        pin_encoder()
     except RuntimeError as exc:  # no ffmpeg at all: every video would fail after its whole denoise
         raise BadInput(f"cannot encode MP4/AAC outputs: {exc}") from exc
 

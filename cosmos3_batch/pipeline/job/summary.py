@@ -13,6 +13,7 @@ from cosmos3_batch.model.numerics import cpu_numerics
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.finish.results import versions
 from cosmos3_batch.plan.cache import cache_record
+from cosmos3_batch.requests.parse import RequestError, by_request
 
 if TYPE_CHECKING:
     from cosmos3_batch.pipeline.finish.results import ResultWriter
@@ -71,15 +72,21 @@ def build_summary(
     cfg: RunConfig, plan: Plan, ranks: list[dict], failed: dict, wall: float, world: World
 ) -> dict:
     ok = sum(report["ok"] for report in ranks)
+    invalid = by_request(plan.invalid)  # one entry per invalid request, with every error it has
     return {
-        "requests_in_file": len(plan.requests) + len(plan.complete) + len(plan.invalid),
+        "requests_in_file": len(plan.requests) + len(plan.complete) + len(invalid),
         "generated_ok": ok,
         "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
         "blocked": [{"id": k, "reason": v} for k, v in sorted(_blocked(ranks).items())],
         "skipped_complete": len(plan.complete),
         "skipped_complete_ids": sorted(r.id for r in plan.complete),
         "invalid": [
-            {"file": e.source, e.unit: e.line, "field": e.field, "error": e.message} for e in plan.invalid
+            {
+                "file": errors[0].source,
+                errors[0].unit: errors[0].line,
+                "errors": [{"field": e.field, "error": e.message} for e in errors],
+            }
+            for errors in invalid
         ],
         "started_at": iso_time(time.time() - wall),
         "wall_s": round(wall, 3),
@@ -158,6 +165,16 @@ def _blocked(ranks: list[dict]) -> dict[str, str]:
 
 def summary_name(tag: str) -> str:
     return f"summary.{tag}.json" if tag else "summary.json"
+
+
+def describe_invalid(errors: list[RequestError], limit: int = 10) -> str:
+    """The invalid requests --skip-invalid leaves out, each with its errors, for the log: the first `limit`
+    requests (the rest are in summary.json), so the terminal shows what was skipped, not only a count."""
+    invalid = by_request(errors)
+    lines = [f"{e.source}: {e}" for group in invalid[:limit] for e in group]
+    if len(invalid) > limit:
+        lines.append(f"(+{len(invalid) - limit} more invalid requests: summary.json lists them all)")
+    return "\n".join(lines)
 
 
 STOPPED_BY = {"disk": "a full or read-only output filesystem", "checkpoint": "a changed checkpoint"}

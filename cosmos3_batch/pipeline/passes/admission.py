@@ -14,6 +14,7 @@ from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob
 from cosmos3_batch.pipeline.kinds.step_cache.cache import StepCache
 from cosmos3_batch.pipeline.kinds.transfer.chain import TransferJob
+from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
 
 if TYPE_CHECKING:
     from cosmos3_batch.parallel.seq_group import SeqGroup
@@ -41,6 +42,7 @@ class Admission:
     leads: bool  # this rank speaks for its --sp group (it keeps a chain's output)
     cache: SeaSettings | None  # --cache sea
     team: VaeTeam | None = None  # --vae-patch-parallel-size: admission's encodes are the group's
+    ahead: AheadOfAdmission | None = None  # Transfer requests' host inputs, prepared off the loop
 
     def admit(self, requests: list[Request]) -> tuple[list[RequestJob], list[tuple[RequestJob, str]]]:
         """(the jobs admitted, the (job, error) of those that failed to prepare)."""
@@ -51,6 +53,7 @@ class Admission:
         for job in jobs:
             if isinstance(job, TransferJob):  # its chunk boundaries: on the finisher's thread, a fixed gap
                 job.gap, job.hand_off, job.keeps_output = self.chunk_gap, self.hand_off, self.leads
+                job.ahead = None if self.ahead is None else self.ahead.take(job.request)
         errors = self._prepare(jobs)
         admitted, failed = [], []
         for job, error in zip(jobs, errors, strict=True):

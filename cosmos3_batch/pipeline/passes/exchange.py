@@ -111,6 +111,15 @@ class PassSync:
             computing=computing,
         )  # fmt: skip
 
+    def host_read(self, what: str) -> WaitMark:
+        """Around a point where the loop's host blocks on the device (a GPU only: on CPU it returns at once).
+        No collective is issued there, but one a peer stalled may hold the stream it waits for: the wait is
+        marked for rank 0's monitor and the place is kept for the line that ends the job (no trace entry)."""
+        event = f"read:{what}"
+        if self.place is not None:
+            self.place.event = event
+        return self.waiting.waiting(phase(event))
+
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")
         if self.place is not None:

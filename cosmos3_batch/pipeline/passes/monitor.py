@@ -29,22 +29,29 @@ TICK_S = 1.0
 
 
 class JobMonitor:
+    """From the job's first second: `phase` says validating and loading (no exchange yet: every rank's
+    seconds since progress are the phase's, growing while a rank loads slowly); `attach` hands it the pass
+    loop's exchange, and from then on its figures are the exchange's."""
+
     def __init__(
         self,
-        sync: PassSync,
+        sync: PassSync | None,
         timeout_s: float,
         textfile: Path | None = None,
         interval_s: float = 15.0,
         labels: dict[str, str] | None = None,
         requests: tuple[int, int] = (0, 0),
         started: float | None = None,
+        world_size: int | None = None,
     ):
         self.sync, self.timeout_s, self.textfile, self.interval_s = sync, timeout_s, textfile, interval_s
         self.labels = labels or {"job": "", "array_task": ""}
         started = time.time() if started is None else started
-        self.snap = Snapshot(start_time=started, since_progress=[0.0] * sync.world_size)
-        to_do, skipped = requests
-        self.snap.requests = {"done": 0, "failed": 0, "interrupted": 0, "pending": to_do, "skipped": skipped}
+        self.world_size = sync.world_size if sync is not None else (world_size or 1)
+        self.snap = Snapshot(start_time=started, since_progress=[0.0] * self.world_size)
+        self.snap.phase = "running" if sync is not None else "validating"
+        self._phase_since = time.monotonic()
+        self._counts(*requests)
         self.passes = lambda: (0, 0)  # (passes, UND passes): the runner's, once there is one
         self._lock = threading.Lock()
         self._lagging: set[int] = set()
@@ -53,9 +60,28 @@ class JobMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="cosmos3-monitor", daemon=True)
 
+    def _counts(self, to_do: int, skipped: int) -> None:
+        self.snap.requests = {"done": 0, "failed": 0, "interrupted": 0, "pending": to_do, "skipped": skipped}
+
     def start(self) -> JobMonitor:
+        if self.textfile is not None:  # at once: a dashboard tells a starting job from one never started
+            self.write()
         self._thread.start()
         return self
+
+    def phase(self, name: str) -> None:
+        """The job entered phase `name` (prometheus.PHASES): written at once."""
+        with self._lock:
+            self.snap.phase, self._phase_since = name, time.monotonic()
+        if self.textfile is not None:
+            self.write()
+
+    def attach(self, sync: PassSync, to_do: int, skipped: int) -> None:
+        """The pass loop's exchange exists: the lag warnings and the figures come from it from now on."""
+        with self._lock:
+            self._counts(to_do, skipped)
+        self.sync = sync
+        self.phase("running")
 
     def on_exchange(self, world: Exchanged) -> None:
         """After every exchange, on the loop's thread: the sums so far, and who came late to the last one."""
@@ -94,7 +120,7 @@ class JobMonitor:
 
     def _name_long_wait(self) -> None:
         """Each wait of rank 0 (the loop's, the finisher's: `PassSync.marks`) past the share, said once."""
-        for mark in self.sync.marks:
+        for mark in self.sync.marks if self.sync is not None else ():
             wait = mark.state  # read once: the loop may end this wait and begin another meanwhile
             if wait is None or wait.episode == self._waited_warned.get(id(mark)):
                 continue
@@ -117,9 +143,12 @@ class JobMonitor:
         with self._lock:
             snap = Snapshot(**{**self.snap.__dict__, "requests": dict(self.snap.requests)})
         snap.passes, snap.und_passes = self.passes()
-        peers = now - self.sync.last_exchange
-        mine = 0.0 if self.sync.waiting_since is not None else peers
-        snap.since_progress = [mine] + [peers] * (self.sync.world_size - 1)
+        if self.sync is None:  # validating, loading: no exchange yet; a phase's length is its progress
+            snap.since_progress = [now - self._phase_since] * self.world_size
+        else:
+            peers = now - self.sync.last_exchange
+            mine = 0.0 if self.sync.waiting_since is not None else peers
+            snap.since_progress = [mine] + [peers] * (self.sync.world_size - 1)
         then, before = self._window
         self._window = (now, snap.requests["done"])
         snap.outputs_per_second = (snap.requests["done"] - before) / (now - then) if now > then else 0.0
@@ -139,7 +168,7 @@ class JobMonitor:
         with self._lock:
             if final is not None:
                 self.snap.requests.update(final)
-            self.snap.running = False
+            self.snap.running, self.snap.phase = False, "ending"
         if self.textfile is not None:
             self.write()
 
@@ -154,9 +183,10 @@ def final_counts(ranks: list[dict]) -> dict[str, int]:
     }
 
 
-def start_monitor(cfg: RunConfig, sync: PassSync, to_do: int, skipped: int, started: float) -> JobMonitor:
+def start_monitor(cfg: RunConfig, world_size: int, started: float) -> JobMonitor:
+    """Rank 0's monitor from the job's start (phase validating); `attach` it to the pass loop's exchange."""
     labels = job_labels(dict(os.environ), cfg.shard)
     textfile, interval = cfg.metrics_textfile, cfg.metrics_interval_s
     return JobMonitor(
-        sync, cfg.collective_timeout_s, textfile, interval, labels, (to_do, skipped), started
+        None, cfg.collective_timeout_s, textfile, interval, labels, started=started, world_size=world_size
     ).start()

@@ -29,12 +29,12 @@ from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
-from cosmos3_batch.parallel.waiting import WaitMark
 from cosmos3_batch.pipeline.finish.finisher import Finisher
 from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.kinds.step_cache.cache import gate_rank, tally
 from cosmos3_batch.pipeline.kinds.transfer.chain import rejoin
+from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
 from cosmos3_batch.pipeline.passes.admission import Admission, describe
 from cosmos3_batch.pipeline.passes.apply import PartApplier
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
@@ -122,6 +122,7 @@ class PassRunner:
         # --vae-patch-parallel-size: the group's first P ranks decode each finished request together.
         self.team = ctx.vae_team
         self.decodes = self.team is not None and self.team.decodes
+        self.finisher = Finisher(self._report, ctx.device)
         self._trace_groups()
         # --sp with --cache sea: every member gates with its lead's distances (kinds/step_cache/cache.py).
         self._share = sp.share_lead if sp is not None and cache is not None else None
@@ -139,9 +140,10 @@ class PassRunner:
         self._failed = [0, 0]  # requests failed on this rank: so far, and so far as the exchange has told
         self._moved = Counters()  # the last pass's counters, until the next exchange carries them
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
-        self.finisher = Finisher(self._report, ctx.device)
+        self.ahead = AheadOfAdmission(ctx.helper, ctx.split.dtype)  # Transfer inputs, read off the loop
+        gap = self.rule.chunk_gap
         self.admission = Admission(
-            ctx, self.und_cache, sp, self.rule.chunk_gap, self.finisher.hand_off, self.leads, cache, self.team
+            ctx, self.und_cache, sp, gap, self.finisher.hand_off, self.leads, cache, self.team, self.ahead
         )
 
     def _trace_groups(self) -> None:
@@ -150,9 +152,9 @@ class PassRunner:
             self.sp.note, self.sp.mark = self.sync.note, self.sync.waiting
         if self.team is not None:  # the encodes' broadcasts, which every rank of the group issues
             self.team.encoding.note, self.team.encoding.mark = self.sync.note, self.sync.waiting
-            if self.team.decoding is not None:  # the finisher's waits: a mark of its own
-                self.team.decoding.mark = WaitMark("the finisher")
-                self.sync.marks.append(self.team.decoding.mark)
+            if self.team.decoding is not None:  # the finisher's waits: its own mark
+                self.team.decoding.mark = self.finisher.mark
+        self.sync.marks.append(self.finisher.mark)  # its decodes' device reads, its group messages
 
     @torch.no_grad()
     def run(self, requests: Iterable[Request]) -> None:
@@ -162,6 +164,7 @@ class PassRunner:
             # the run's totals hold every pass. Not after a failure: a dead peer's gather never completes.
             self.totals.add(self.weights.drain())
         finally:
+            self.ahead.close()
             # Also when a peer died mid-run: requests already denoised here still get decoded and written.
             self.finisher.close()
 
@@ -173,11 +176,15 @@ class PassRunner:
         while True:
             if self.team is not None:
                 self.team.check()  # a group decode broke on this rank: end the job (finish/vae_team.py)
+            self.finisher.check()  # a decode met a lost peer (its device read): end the job as one
             active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
-            active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
+            self.ahead.look(slots.queue)  # the next Transfer requests' files, read and prepared off the loop
+            with self.sync.host_read("a Transfer chunk boundary's result"):
+                active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
             for job, error in failed:
                 self._fail(job, error)
-            computing = gate_rank(active, self._share)  # before any layer: which branches run this pass
+            with self.sync.host_read("the step cache's distances"):  # before any layer: what runs this pass
+                computing = gate_rank(active, self._share)
             world = self._exchange(active, slots, computing)
             if world.stop:
                 self._abandon(active, slots)
@@ -192,7 +199,8 @@ class PassRunner:
                 admitted = self._admit(now)
                 # Only the requests just admitted (at their first step: forced to compute): the others were
                 # gated for this step before the exchange, and a second gate would count a reuse twice.
-                gate_rank(admitted, self._share)
+                with self.sync.host_read("the step cache's distances"):
+                    gate_rank(admitted, self._share)
                 active += admitted
                 prefill = self._admit(later)
             # The same decision on every rank (sums only): a pass no branch anywhere computes walks nothing.

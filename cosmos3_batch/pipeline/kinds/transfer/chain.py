@@ -22,11 +22,12 @@ import torch
 
 from cosmos3_batch.model.cosmos3 import BranchSeq
 from cosmos3_batch.model.prompts import tokenize_transfer
+from cosmos3_batch.parallel.stall import peer_failure
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.pipeline.kinds.denoise import RequestFailed, RequestJob, Result
 from cosmos3_batch.pipeline.kinds.samplers import UniPCSampler
 from cosmos3_batch.pipeline.kinds.transfer import chunks
-from cosmos3_batch.pipeline.kinds.transfer.controls import derive
+from cosmos3_batch.pipeline.kinds.transfer.inputs import host_inputs
 from cosmos3_batch.pipeline.kinds.transfer.pack import GenBranch, pack, text_branch
 from cosmos3_batch.plan.branches import (
     COND,
@@ -36,7 +37,6 @@ from cosmos3_batch.plan.branches import (
     texts_needed,
     transfer_plan,
 )
-from cosmos3_batch.requests.transfer import AUTO
 
 # Each GEN branch: (name, the text whose K/V it reads, over the controls too).
 BRANCHES = ((COND, COND, True), (COND_NO_CONTROL, COND, False), (UNCOND, UNCOND, True))
@@ -47,6 +47,7 @@ class TransferJob(RequestJob):
     gap = 0  # passes sat out at each chunk boundary (PrefillRule.chunk_gap)
     hand_off: Callable[[Callable[[], Any]], Future] | None = None  # Finisher.hand_off: crosses a boundary
     keeps_output = True  # False on the ranks of an --sp group that never write: no pieces kept there
+    ahead: Future | None = None  # its HostInputs, being prepared off the loop (transfer/inputs.py)
 
     @property
     def rejoins(self) -> bool:
@@ -80,19 +81,17 @@ class TransferJob(RequestJob):
     # ---- admission ---------------------------------------------------------------------------------
 
     def load_inputs(self) -> None:
-        """Read the controls (and the seed video) now; a failure is kept for `prepare`."""
-        from diffusers.utils import load_video
-
-        size = (self.request.height, self.request.width)
+        """The controls read, preprocessed and padded, and the seed video: prepared ahead of admission on its
+        own thread when the runner started them (`ahead`, transfer/inputs.py), else now; a failure is kept
+        for `prepare`."""
         try:
-            video = load_video(self.spec.video) if self.spec.video is not None else None
-            controls = [
-                derive(hint, video, size) if path == AUTO else chunks.load_control(path)
-                for hint, path in self.spec.controls
-            ]
-            self._inputs = (controls, video)
+            if self.ahead is not None:
+                self._inputs = self.ahead.result()  # waits only if not ready yet
+            else:
+                self._inputs = host_inputs(self.ctx.helper, self.request, self.ctx.split.dtype)
         except Exception as exc:
             self.input_error = f"{type(exc).__name__}: {exc}"
+        self.ahead = None
 
     def prepare(self) -> None:
         if self._inputs is None:
@@ -102,10 +101,7 @@ class TransferJob(RequestJob):
         start = time.perf_counter()
         r, ctx = self.request, self.ctx
         self.generator = torch.Generator("cpu").manual_seed(r.seed)
-        length = max(r.num_frames, self.spec.chunk_frames)
-        dtype = ctx.split.dtype  # the setup step casts the controls to the transformer's dtype
-        size = (r.height, r.width)
-        self.controls = chunks.prepare_controls(ctx.helper, self._inputs[0], size, dtype, length)
+        self.controls = self._inputs.controls  # in the transformer's dtype, as the setup step casts them
         self.pieces: list[torch.Tensor] = []
         self.chunk_latents: list[torch.Tensor] = []
         self.chunk_id = 0
@@ -140,10 +136,7 @@ class TransferJob(RequestJob):
         r, ctx, spec = self.request, self.ctx, self.spec
         vae_dtype = ctx.vae.dtype
         if chunk_id == 0:
-            video = self._inputs[1]
-            seed = None
-            if video is not None and spec.first_chunk_conditional_frames > 0:
-                seed = ctx.helper.video_processor.preprocess_video(video, height=r.height, width=r.width)
+            seed = self._inputs.seed  # the seed video preprocessed, or None
             frames, tail = spec.first_chunk_conditional_frames, False
         else:
             seed, frames, tail = previous, spec.conditional_frames, True
@@ -359,6 +352,8 @@ def rejoin(active: list[RequestJob], sp) -> tuple[list[RequestJob], list[tuple[R
         except GroupBroken:
             raise
         except Exception as exc:
+            if peer_failure(exc) is not None:  # the boundary's device work met a lost peer: the job's end
+                raise
             errors.append(f"{type(exc).__name__}: {exc}")
     if sp is not None:
         agreed = sp.agree([error is None for error in errors])

@@ -101,9 +101,17 @@ def chunk_inputs(encoder, controls: list, target: torch.Tensor, window: tuple[in
     encode = encoder._encode_video
     device = target.device
     control_latents = [
-        encode(_window(c, start, chunk, total).to(device)).contiguous().float() for c in controls
+        encode(_to_device(_window(c, start, chunk, total), device)).contiguous().float() for c in controls
     ]
     return control_latents, encode(target).contiguous().float()
+
+
+def _to_device(window: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A control window (host memory) to the device: on a GPU pinned first, so the copy is asynchronous
+    (from pageable memory it would wait for the device); the same bits either way."""
+    if device.type != "cuda":
+        return window.to(device)
+    return window.pin_memory().to(device, non_blocking=True)
 
 
 def chunk_noise(

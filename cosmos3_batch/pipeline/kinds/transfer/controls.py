@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cosmos3_batch.io.inputs import file_sha256
 from cosmos3_batch.requests.transfer import AUTO, DERIVED_PARAMS
 
 
@@ -77,13 +78,6 @@ def derive(hint: str, video: list, size: tuple[int, int]) -> list:
     from PIL import Image
 
     return [Image.fromarray(np.ascontiguousarray(f)) for f in OPERATORS[hint](model_frames(video, size))]
-
-
-def file_sha256(path: str) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def controls_record(spec) -> list[dict]:
