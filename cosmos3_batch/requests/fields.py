@@ -15,6 +15,7 @@ from typing import Any
 from PIL import Image
 
 from cosmos3_batch.requests.defaults import COSMOS3, RequestDefaults
+from cosmos3_batch.requests.guardrail_field import guardrails_mismatch
 
 # Defaults follow the Cosmos3 model card.
 DEFAULT_GUIDANCE = COSMOS3.guidance  # Nano's and Super's; other checkpoints' rows: requests/defaults.py
@@ -352,8 +353,7 @@ def check_extra_params(
     out: LineErrors, obj: JsonObject, transfer: bool = False, guardrails: bool = False
 ) -> dict[str, bool]:
     """`transfer`: the reference's Transfer text step takes prompts verbatim, so its templates are off.
-    `guardrails`: whether the job runs them; a request's `guardrails` must agree (it cannot turn them on
-    for one request, nor off: that is `--no-guardrails`, recorded in summary.json and every sidecar)."""
+    `guardrails`: whether the job runs them; a request's must agree (requests/guardrail_field.py)."""
     value = _get(obj, "extra_params")
     flags = {**EXTRA_PARAMS_DEFAULTS, "guardrails": guardrails}
     if transfer:
@@ -372,19 +372,8 @@ def check_extra_params(
                 out.add(f"extra_params.{key}", "Transfer takes its prompt verbatim (no templates)")
             else:
                 flags[key] = flag
-    asked = flags.pop("guardrails")
-    if asked and not guardrails:
-        out.add(
-            "extra_params.guardrails",
-            "this job runs without guardrails (--no-guardrails, or a built-in tiny model's default): run it "
-            "with --guardrails, or remove the field; a request is never run without the checks it asked for",
-        )
-    elif guardrails and not asked:
-        out.add(
-            "extra_params.guardrails",
-            "this job runs NVIDIA's guardrails on every request: one request cannot turn them off "
-            "(run the job with --no-guardrails, which summary.json and every sidecar record)",
-        )
+    if (why := guardrails_mismatch(flags.pop("guardrails"), guardrails)) is not None:
+        out.add("extra_params.guardrails", why)
     return flags
 
 
