@@ -93,7 +93,7 @@ class ResultWriter:
             self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
             return
         if result is not None and self.guard is not None and not self._guarded(job, result):
-            return None
+            return
         if result is not None:
             try:
                 if self.shards is not None:  # its row and its count come when its shard is final
@@ -132,7 +132,12 @@ class ResultWriter:
     def block(self, r: Request, reason: str, stage: str, job: RequestJob | None = None) -> None:
         """A request the guardrails blocked: its record (blocked.py), nothing under its media's name."""
         key = output_key(r, self.model_identity, self.cfg.vae_tiling)
-        record_blocked(self, r, reason, stage, key, versions(), job)
+        try:
+            record_blocked(self, r, reason, stage, key, versions(), job)
+        except OSError as exc:  # its sidecar: a full disk stops the job (a rerun checks the prompt again)
+            if (code := disk_errno(exc)) is None:
+                raise
+            self._disk_full(code, exc)
 
     def _stopping(self) -> bool:
         """Whether the job is stopping. A signal to the process group reaches the encoder and us at once, but
