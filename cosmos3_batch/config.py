@@ -66,6 +66,9 @@ class RunConfig:
     metrics_textfile: Path | None = None  # rank 0 keeps the job's live figures here (Prometheus text format)
     metrics_interval_s: float = 15.0  # ... rewritten this often, and at the end
     cache: SeaSettings | None = None  # --cache sea (DESIGN.md §19, plan/cache.py); None: every forward runs
+    # NVIDIA's guardrails (docs/guardrails.md): --guardrails / --no-guardrails; None: on for real checkpoints,
+    # off for the ones make-tiny writes (the built-in tiny and demo models).
+    guardrails: bool | None = None
 
     @property
     def tag(self) -> str:

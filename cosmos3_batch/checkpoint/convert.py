@@ -26,6 +26,7 @@ import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
 from cosmos3_batch.checkpoint.fp8_format import AMAX, FP8, QUANT_METHOD, SCALE, quantize_per_tensor
+from cosmos3_batch.checkpoint.guardrail_cache import DERIVED_MARKER, MAKE_TINY_MARKER
 from cosmos3_batch.checkpoint.reader import DTYPES, SafetensorsFile
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -124,6 +125,8 @@ def write_streaming(path: Path, entries: list[Entry]) -> int:
 def _copy_rest(src: Path, dst: Path) -> None:
     for item in sorted(src.iterdir()):
         if item.name == "transformer" or item.name.startswith(".written-by"):
+            if item.name == MAKE_TINY_MARKER:  # still a test model: no guardrails by default, not make-tiny's
+                (dst / DERIVED_MARKER).write_text(f"converted from {src}, which make-tiny wrote\n")
             continue
         if item.is_dir():
             shutil.copytree(item, dst / item.name)

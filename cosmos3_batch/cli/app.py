@@ -74,6 +74,12 @@ MODEL_HELP = (
     "Diffusers-layout Cosmos3 checkpoint folder, or a Hugging Face repo id ORG/NAME or ORG/NAME@REVISION "
     "found in the local cache (downloaded unless HF_HUB_OFFLINE=1). Default: the built-in tiny model."
 )
+GUARDRAILS_HELP = (
+    "NVIDIA's guardrails (cosmos-guardrail: blocklist + Qwen3Guard on each prompt before admission, face "
+    "pixelation on the frames before encoding; docs/guardrails.md). Default: on for real checkpoints "
+    "(their models must be in the local Hugging Face cache, else exit 2), off for make-tiny's models."
+)
+PLAN_GUARD_HELP = "As `run --guardrails`: their memory per rank and time per request (default as `run`)."
 SAMPLES_HELP = 'Outputs per request that names no "samples": ids <id>-<k>, seeds seed + k (k = 0..N-1).'
 PROMPT_COLUMN_HELP = "Table inputs: the column holding the prompt (e.g. caption)."
 ID_COLUMN_HELP = "Table inputs: the column holding the id."
@@ -194,6 +200,9 @@ def run(
     cache_end_steps: cli_cache.EndSteps = cli_cache.SEA.cache_end_steps,
     cache_max_consecutive: cli_cache.MaxConsecutive = cli_cache.SEA.max_consecutive_cached,
     cache_power_exp: cli_cache.PowerExp = cli_cache.SEA.power_exp,
+    guardrails: Annotated[
+        bool | None, typer.Option("--guardrails/--no-guardrails", help=GUARDRAILS_HELP)
+    ] = None,
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
     the job; 2: bad input (nothing loaded); 69: a peer rank stalled past --collective-timeout-s or died
@@ -243,6 +252,7 @@ def run(
             metrics_interval_s=metrics_interval_s,
             cache=(cache, cache_threshold, cache_residual_order, cache_retention_steps, cache_end_steps,
                    cache_max_consecutive, cache_power_exp),
+            guardrails=guardrails,
         )  # fmt: skip
     except ConfigError as exc:  # the same flags on every rank: one of them says so, once
         typer.echo(f"error: {after_rank_0(str(exc))}", err=True)
@@ -308,6 +318,9 @@ def plan(
     input_format: Annotated[str, typer.Option(help=INPUT_FORMAT_HELP)] = "auto",
     cache: cli_cache.Cache = "none",
     cache_reuse: cli_cache.Reuse = cli_cache.PUBLISHED_REUSE,
+    guardrails: Annotated[
+        bool | None, typer.Option("--guardrails/--no-guardrails", help=PLAN_GUARD_HELP)
+    ] = None,
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
@@ -330,7 +343,7 @@ def plan(
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
             vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
-            input_format=input_format, und_resident=und_resident,
+            input_format=input_format, und_resident=und_resident, guardrails=guardrails,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -26,7 +26,7 @@ NAME = "manifest.parquet"
 SCHEMA = pa.schema(
     [
         ("id", pa.string()),
-        ("status", pa.string()),  # ok | failed | interrupted | pending
+        ("status", pa.string()),  # ok | failed | interrupted | blocked | pending
         ("kind", pa.string()),
         ("format", pa.string()),  # files | webdataset
         ("path", pa.string()),  # relative to OUT: the media file, or the shard

@@ -194,7 +194,7 @@ def _merge_locked(out_dir: Path) -> tuple[Path, list[dict]]:
     return path, merged
 
 
-STATUSES = {"ok", "failed", "interrupted"}
+STATUSES = {"ok", "failed", "interrupted", "blocked"}
 _ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 

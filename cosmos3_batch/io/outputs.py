@@ -229,8 +229,8 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """[T, H, W, 3] floats in [0, 1] -> uint8, rounded as diffusers' `numpy_to_pil` does."""
-    return (frames * 255).round().astype(np.uint8)
+    """[T, H, W, 3] floats in [0, 1] -> uint8, rounded as diffusers' `numpy_to_pil` does (uint8: as it is)."""
+    return frames if frames.dtype == np.uint8 else (frames * 255).round().astype(np.uint8)
 
 
 def render_png(path: Path, frame: np.ndarray) -> None:

@@ -44,20 +44,21 @@ def dataset_status(out: Path, ids: Iterable[str] | None = None, now: float | Non
     counts = Counter(state.values())
     latest = [output for rid, output in done.items() if output.finished >= now - WINDOW_S and rid in known]
     recent, busy = len(latest), generation_seconds(latest, now - WINDOW_S)
-    left = len(known) - counts["done"]  # a rerun generates the failed ones again too
+    left = len(known) - counts["done"] - counts["blocked"]  # a rerun generates the failed ones again too
     per_hour = recent * 3600.0 / (busy if busy > 0 else WINDOW_S)  # no timings recorded: over the hour
     report = {
         "out": str(out),
         "format": dataset.of(out).format,
         "requests": len(known),
         **{name: counts[name] for name in STATES},
+        "blocked": counts["blocked"],  # by the guardrails (docs/guardrails.md): final, as done is
         "pending": counts["pending"] if wanted is not None else None,  # unknown without --input
         "pending_known": wanted is not None,
         "outputs_last_hour": recent,
         "generation_s_last_hour": round(busy, 3),
         "outputs_per_hour": per_hour,
         "eta_hours": 0.0 if not left else (left / per_hour if per_hour > 0 else None),
-        "all_done": counts["done"] == len(known) and len(known) > 0,
+        "all_done": left == 0 and len(known) > 0,
         "runs": last_runs(out),
     }
     if arrays := array_counts(out):
@@ -146,7 +147,8 @@ def describe(report: dict) -> str:
     pending = str(report["pending"]) if report["pending_known"] else "? (give --input)"
     lines = [
         f"{report['out']} ({report['format']}): {report['requests']} requests: {report['done']} done, "
-        f"{report['failed']} failed, {report['interrupted']} interrupted, {pending} pending"
+        + (f"{report['blocked']} blocked, " if report.get("blocked") else "")
+        + f"{report['failed']} failed, {report['interrupted']} interrupted, {pending} pending"
     ]
     eta = report["eta_hours"]
     when = "-" if eta is None else f"{eta:.2f} h"

@@ -8,12 +8,15 @@ import os
 import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
+from cosmos3_batch.checkpoint.guardrail_cache import written_by_make_tiny
 from cosmos3_batch.checkpoint.hub import resolve_model
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import check_model, check_world
 from cosmos3_batch.plan import text as plan_text
 from cosmos3_batch.plan.branches import transfer_work
 from cosmos3_batch.plan.cache import SeaSettings, check_cache, check_reuse
+from cosmos3_batch.plan.guardrail_cost import describe as describe_guardrails
+from cosmos3_batch.plan.guardrail_cost import guardrail_cost
 from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job
@@ -49,10 +52,12 @@ def plan_job(
     cache: tuple[SeaSettings, float] | None = None,
     input_format: str = "auto",
     und_resident: bool = False,
+    guardrails: bool | None = None,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
-    `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse)."""
+    `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse).
+    `guardrails`: as `run --guardrails`; None: on for a real checkpoint, off for make-tiny's (and none)."""
     from cosmos3_batch.engine.transport import parse_offload
     from cosmos3_batch.plan.validate import checked_requests
 
@@ -99,6 +104,9 @@ def plan_job(
             "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
             "(reads only the checkpoint's configs and headers)"
         )
+    if guardrails if guardrails is not None else checkpoint is not None and _real(source.path):
+        doc["guardrails"] = (cost := guardrail_cost(requests, hw)).to_dict()
+        text.append(describe_guardrails(cost))
     if cache is not None:
         doc["cache"] = {**cache[0].record(), "reuse": cache[1]}
         text.append(plan_text.describe_cache(cache[1], doc.get("estimate")))
@@ -106,6 +114,11 @@ def plan_job(
         doc.setdefault("warnings", []).append(warning)
         text.append(f"WARNING: {warning}")
     return doc, "\n".join(text)
+
+
+def _real(folder) -> bool:
+    """Not a folder make-tiny wrote: guardrails default to on (pipeline/job/screen.py)."""
+    return not written_by_make_tiny(folder)
 
 
 def _cosmos_samples(prompts: str | list[str], limits, input_format: str) -> list[dict]:

@@ -15,6 +15,7 @@ from typing import Any
 from PIL import Image
 
 from cosmos3_batch.requests.defaults import COSMOS3, RequestDefaults
+from cosmos3_batch.requests.guardrail_field import guardrails_mismatch
 
 # Defaults follow the Cosmos3 model card.
 DEFAULT_GUIDANCE = COSMOS3.guidance  # Nano's and Super's; other checkpoints' rows: requests/defaults.py
@@ -62,6 +63,9 @@ class ModelLimits:
     reasoner_missing: tuple[str, ...] | None = None
     # The reference's defaults for this checkpoint (requests/defaults.py); distilled ones fix steps, guidance.
     defaults: RequestDefaults = COSMOS3
+    # Whether this job runs NVIDIA's guardrails (--guardrails / --no-guardrails, docs/guardrails.md): a job
+    # setting, which a request's `extra_params.guardrails` may only restate.
+    guardrails: bool = False
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)
@@ -347,10 +351,13 @@ def check_image(out: LineErrors, obj: JsonObject, base_dir: str | None, num_fram
     return path
 
 
-def check_extra_params(out: LineErrors, obj: JsonObject, transfer: bool = False) -> dict[str, bool]:
-    """`transfer`: the reference's Transfer text step takes prompts verbatim, so its templates are off."""
+def check_extra_params(
+    out: LineErrors, obj: JsonObject, transfer: bool = False, guardrails: bool = False
+) -> dict[str, bool]:
+    """`transfer`: the reference's Transfer text step takes prompts verbatim, so its templates are off.
+    `guardrails`: whether the job runs them; a request's must agree (requests/guardrail_field.py)."""
     value = _get(obj, "extra_params")
-    flags = dict(EXTRA_PARAMS_DEFAULTS)
+    flags = {**EXTRA_PARAMS_DEFAULTS, "guardrails": guardrails}
     if transfer:
         flags.update(use_resolution_template=False, use_duration_template=False)
     if value is not _ABSENT and not isinstance(value, dict):
@@ -367,13 +374,8 @@ def check_extra_params(out: LineErrors, obj: JsonObject, transfer: bool = False)
                 out.add(f"extra_params.{key}", "Transfer takes its prompt verbatim (no templates)")
             else:
                 flags[key] = flag
-    if flags.pop("guardrails"):
-        out.add(
-            "extra_params.guardrails",
-            "guardrails need NVIDIA's Cosmos safety models, which this offline batch job does not have; "
-            "the request is rejected rather than silently run without safety checks "
-            "(remove guardrails or set it to false)",
-        )
+    if (why := guardrails_mismatch(flags.pop("guardrails"), guardrails)) is not None:
+        out.add("extra_params.guardrails", why)
     return flags
 
 

@@ -326,7 +326,7 @@ def _validate_object(
         **media,
         **numbers,
         "system_prompt": check_system_prompt(out, obj),
-        **check_extra_params(out, obj, transfer),
+        **check_extra_params(out, obj, transfer, limits.guardrails),
     }
     if not out.errors and num_frames is not None and not transfer and not reason:  # Transfer counts per chunk
         # An action request's size comes from its tier and chunk size: the budget names the action.

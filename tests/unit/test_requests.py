@@ -233,11 +233,23 @@ def test_bad_value(fields, field, fragment):
     assert fragment in error.message
 
 
-def test_guardrails_true_rejected_with_reason():
+def test_guardrails_true_rejected_in_a_job_without_them():
+    """A request may only restate the job's setting: it never runs without the checks it asked for."""
     error = only_error(line_of(extra_params={"guardrails": True}))
     assert (error.line, error.field) == (1, "extra_params.guardrails")
-    for fragment in ("NVIDIA's Cosmos safety models", "offline", "rather than silently", "set it to false"):
+    for fragment in ("this job runs without guardrails", "--guardrails", "never run without the checks"):
         assert fragment in error.message
+
+
+def test_guardrails_in_a_guarded_job_true_accepted_false_rejected():
+    guarded = dataclasses.replace(LIMITS, guardrails=True)
+    (request,), errors = parse(line_of(extra_params={"guardrails": True}), limits=guarded)
+    assert errors == [] and request.prompt == "a red fox"
+    (request,), errors = parse(line_of(), limits=guarded)
+    assert errors == []
+    _, (error,) = parse(line_of(extra_params={"guardrails": False}), limits=guarded)
+    assert (error.line, error.field) == (1, "extra_params.guardrails")
+    assert "one request cannot turn them off" in error.message and "--no-guardrails" in error.message
 
 
 NUMBER_FIELDS = [

@@ -25,6 +25,8 @@ from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.io.text_outputs import reason_facts, write_text
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
+from cosmos3_batch.pipeline.finish.blocked import record_blocked
+from cosmos3_batch.pipeline.finish.guardrail import VIDEO_BLOCKED, Guardrails, check_result
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.kinds.step_cache.cache import cache_report, forward_counts
 from cosmos3_batch.pipeline.kinds.transfer.controls import controls_record
@@ -77,6 +79,9 @@ class ResultWriter:
     ok: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     unwritten: list[str] = field(default_factory=list)  # decoded, not written: the job was stopping
+    guard: Guardrails | None = None  # the video guardrail, run on the frames before encoding (guardrail.py)
+    guardrails: bool = False  # whether this job runs them: in every sidecar (--no-guardrails on record)
+    blocked: dict[str, str] = field(default_factory=dict)  # id -> the guardrail's reason (blocked.py)
 
     def __call__(self, job: RequestJob, result: Result | None, error: str | None) -> None:
         r = job.request
@@ -87,6 +92,8 @@ class ResultWriter:
             # decoded still is: the runner submits nothing computed from the changed files.)
             self.unwritten.append(r.id)
             self.row(job, "interrupted", error=f"not written: {self.stop.fault.message}")
+            return
+        if result is not None and self.guard is not None and not self._guarded(job, result):
             return
         if result is not None:
             try:
@@ -114,6 +121,24 @@ class ResultWriter:
             self.failed[r.id] = error
             log.warning("request %s failed: %s", r.id, error)
         self.row(job, "ok" if error is None else "failed", output, error)
+
+    def _guarded(self, job: RequestJob, result: Result) -> bool:
+        """The video guardrail on the decoded frames (guardrail.py); False: blocked (and recorded)."""
+        if (checked := check_result(self.guard, job.request.id, result, job.timings)) is None:
+            self.block(job.request, VIDEO_BLOCKED, "video", job)
+            return False
+        result.frames = checked.frames  # what the reference encodes: the guardrail's uint8 frames
+        return True
+
+    def block(self, r: Request, reason: str, stage: str, job: RequestJob | None = None) -> None:
+        """A request the guardrails blocked: its record (blocked.py), nothing under its media's name."""
+        key = output_key(r, self.model_identity, self.cfg.vae_tiling)
+        try:
+            record_blocked(self, r, reason, stage, key, versions(), job)
+        except OSError as exc:  # its sidecar: a full disk stops the job (a rerun checks the prompt again)
+            if (code := disk_errno(exc)) is None:
+                raise
+            self._disk_full(code, exc)
 
     def _stopping(self) -> bool:
         """Whether the job is stopping. A signal to the process group reaches the encoder and us at once, but
@@ -290,6 +315,7 @@ class ResultWriter:
             "model_digest": self.model_identity,
             "rank": self.rank,
             "weights": self.weights,
+            "guardrails": self.guardrails,
             **({} if job.cache is None else {"cache": cache_report(self.cfg.cache, job.cache)}),
             **(
                 {}

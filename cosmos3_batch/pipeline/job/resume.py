@@ -22,6 +22,7 @@ from cosmos3_batch.io.shard_index import (
     sample_complete,
 )
 from cosmos3_batch.parallel.world import World
+from cosmos3_batch.pipeline.finish.blocked import NOT_COMPLETE, is_blocked
 from cosmos3_batch.pipeline.finish.results import output_key
 from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.requests.parse import Request
@@ -45,14 +46,16 @@ def split_complete(
         if shards:
             found = located.get(r.id)
             done, why = sample_complete(found, r, content, key, cfg.save_latents)
-            seen = found is not None
+            seen, unrecorded = found is not None, found is None
         else:
             paths = outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout)
             required = outputs.mode_files(r)
             done, why = outputs.is_complete(
                 paths, content, key, cfg.save_latents, required, recorded.get(r.id)
             )
-            seen = not done and paths.sidecar.exists()
+            seen, unrecorded = not done and paths.sidecar.exists(), why == NOT_COMPLETE
+        if not done and unrecorded and _was_blocked(cfg, r, dataset, content, key):
+            done, seen = True, False  # blocked by the guardrails: an outcome, not retried
         if done and not cfg.overwrite:
             complete.append(r)
             continue
@@ -60,6 +63,11 @@ def split_complete(
             log.warning("%s: %s; generating it again", r.id, why)
         todo.append(r)
     return todo, complete
+
+
+def _was_blocked(cfg: RunConfig, r: Request, dataset: Dataset, content: str, key: str) -> bool:
+    """An earlier run's guardrails blocked this very request (its sidecar says so: finish/blocked.py)."""
+    return is_blocked(outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout).sidecar, content, key)
 
 
 def share_split(world: World, plan: Plan) -> Plan:

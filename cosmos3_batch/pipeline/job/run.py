@@ -11,12 +11,14 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
+from cosmos3_batch.checkpoint.guardrail_cache import GuardrailRefusal
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.io import dataset, outputs
@@ -34,6 +36,7 @@ from cosmos3_batch.parallel.stall import Place, peer_failure, post_mortem
 from cosmos3_batch.parallel.stop import StopRequest
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.parallel.world import World, init_world, teardown
+from cosmos3_batch.pipeline.finish.guardrail import Guardrails
 from cosmos3_batch.pipeline.finish.results import ResultWriter, shard_writer
 from cosmos3_batch.pipeline.job.drive import Progress, drive
 from cosmos3_batch.pipeline.job.dtypes import check_dtypes, compute_tag
@@ -41,6 +44,7 @@ from cosmos3_batch.pipeline.job.ending import Outcome, end_run
 from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
+from cosmos3_batch.pipeline.job.screen import guardrails_on, screen
 from cosmos3_batch.pipeline.job.summary import describe_invalid, preview, rank_report
 from cosmos3_batch.pipeline.passes.monitor import JobMonitor, final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
@@ -75,17 +79,18 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     try:
         checkpoint = Checkpoint.open(model_dir)
         validate_checkpoint(checkpoint)
+        guardrails = guardrails_on(cfg, model_dir)  # their models in the cache, else exit 2 now
         # Collect the file's problems and the token-count problems, then report them all at once.
         requests, invalid = load_requests(
             cfg.prompts,
-            limits_for(checkpoint, cfg.max_vision_tokens),
+            replace(limits_for(checkpoint, cfg.max_vision_tokens), guardrails=guardrails),
             skip_invalid=True,
             samples=cfg.samples_per_prompt,
             columns=Columns(cfg.prompt_column, cfg.id_column),
             stdin=stdin,
             input_format=cfg.input_format,
         )
-    except (CheckpointError, RequestFileError) as exc:
+    except (GuardrailRefusal, CheckpointError, RequestFileError) as exc:
         raise BadInput(str(exc)) from exc
     try:  # --sp must fit the model's heads (named first: the fix is in the model) and the ranks
         check_model(cfg.sp, checkpoint.config("transformer"))
@@ -102,9 +107,9 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
-    identity = checkpoint.identity() + compute_tag(cfg, checkpoint)
+    identity = checkpoint.identity() + compute_tag(cfg, checkpoint) + ("+guardrails" if guardrails else "")
     if not resume:
-        return Plan(Path(model_dir), mine, invalid, [], tokenizer, identity, held)
+        return Plan(Path(model_dir), mine, invalid, [], tokenizer, identity, held, guardrails)
     todo, complete = split_complete(cfg, mine, identity, held)
     # Complete outputs were made from these very prompts by this model: their tokens need no second look
     # (at 100k complete requests, tokenizing them was most of a rerun's start-up).
@@ -126,7 +131,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
             check_room(cfg.out, size(largest), f"request {largest.id!r}")
         except ValueError as exc:
             raise BadInput(str(exc)) from exc
-    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity, held)
+    return Plan(Path(model_dir), todo, invalid, complete, tokenizer, identity, held, guardrails)
 
 
 def run_job(cfg: RunConfig) -> Outcome:
@@ -234,7 +239,9 @@ def _passes(
     """This rank's queue through the pass loop; every rank's report, gathered."""
     show = cfg.progress and world.is_main
     bar = Progress(tqdm(total=len(plan.requests), unit="output", disable=not show, dynamic_ncols=True))
-    writer = _writer(cfg, world, plan, loaded, stop)
+    guard = Guardrails(world.device) if plan.guardrails else None  # once per rank, on its device
+    writer = _writer(cfg, world, plan, loaded, stop, guard)
+    mine = screen(guard, cfg, world, mine, writer)  # blocked prompts are recorded, never admitted
     if monitor is not None:  # the lag warnings, and --metrics-textfile, from the exchange from now on
         monitor.attach(loaded.sync, len(plan.requests), len(plan.complete))
     if world.is_main and world.device.type == "cpu" and (cfg.sp > 1 or cfg.batch_branches):
@@ -250,12 +257,14 @@ def _passes(
     report["weights"] = weights_report(loaded.ctx.split.fp8, calls=True)
     ranks = world.all_gather_object(report)
     # Peers' outputs written after the last exchange reach rank 0's bar only now.
-    bar.update(sum(r["ok"] + len(r["failed"]) for r in ranks) - bar.bar.n)
+    bar.update(sum(r["ok"] + len(r["failed"]) + len(r["blocked"]) for r in ranks) - bar.bar.n)
     bar.close()
     return ranks
 
 
-def _writer(cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: StopRequest) -> ResultWriter:
+def _writer(
+    cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: StopRequest, guard
+) -> ResultWriter:
     writer = ResultWriter(
         cfg,
         plan.model_dir,
@@ -266,6 +275,8 @@ def _writer(cfg: RunConfig, world: World, plan: Plan, loaded: Loaded, stop: Stop
         stop=stop,
         layout=plan.dataset.layout,
         shards=shard_writer(cfg, plan.dataset, world.rank),
+        guard=guard,
+        guardrails=plan.guardrails,
     )
     if world.is_main and (recovered := writer.recover_rows(plan.complete)):
         log.info("%d complete output(s) had no metrics row (a crash or full disk): recovered", recovered)

@@ -21,3 +21,4 @@ class Plan:
     dataset: Dataset = field(
         default_factory=Dataset
     )  # the format and layout the outputs are written in (io/dataset.py)
+    guardrails: bool = False  # the job runs NVIDIA's guardrails (pipeline/job/screen.py)

@@ -36,6 +36,7 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "rank": world.rank,
         "ok": len(writer.ok),
         "failed": writer.failed,
+        "blocked": writer.blocked,  # id -> the guardrail's reason (pipeline/finish/blocked.py)
         "passes": runner.passes,
         "und_passes": runner.und_passes,
         "pass_s": round(runner.pass_s, 6),
@@ -76,6 +77,7 @@ def build_summary(
         "requests_in_file": len(plan.requests) + len(plan.complete) + len(invalid),
         "generated_ok": ok,
         "failed": [{"id": k, "error": v} for k, v in sorted(failed.items())],
+        "blocked": [{"id": k, "reason": v} for k, v in sorted(_blocked(ranks).items())],
         "skipped_complete": len(plan.complete),
         "skipped_complete_ids": sorted(r.id for r in plan.complete),
         "invalid": [
@@ -108,6 +110,7 @@ def build_summary(
             "max_batch_rows": cfg.max_batch_rows,
             "prefill": dataclasses.asdict(cfg.prefill),  # with the requests, what `plan` replays exactly
             "cache": cache_record(cfg.cache),  # what SeaCacheConfig a comparison run takes
+            "guardrails": plan.guardrails,  # false: --no-guardrails, or a make-tiny model's default
         },
         "versions": versions(),
         # On CPU the bits depend on MKL's reproducibility mode: what a comparison run must also use.
@@ -156,6 +159,10 @@ def _vae_counts(team) -> dict:
     }
 
 
+def _blocked(ranks: list[dict]) -> dict[str, str]:
+    return {k: v for report in ranks for k, v in report["blocked"].items()}
+
+
 def summary_name(tag: str) -> str:
     return f"summary.{tag}.json" if tag else "summary.json"
 
@@ -176,7 +183,8 @@ STOPPED_BY = {"disk": "a full or read-only output filesystem", "checkpoint": "a 
 def describe_summary(summary: dict, out: Path) -> str:
     line = (
         f"{summary['generated_ok']} generated, {len(summary['failed'])} failed, "
-        f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"
+        + (f"{len(summary['blocked'])} blocked by the guardrails, " if summary.get("blocked") else "")
+        + f"{summary['skipped_complete']} already complete, {len(summary['invalid'])} invalid -> {out}"
     )
     if stopped := summary.get("interrupted"):
         left = len(stopped["abandoned"]) + stopped["not_started"]
