@@ -141,6 +141,7 @@ def test_applier_gives_each_request_its_steps_precision(monkeypatch: pytest.Monk
         jobs.append(
             SimpleNamespace(
                 step_index=step, timesteps=list(range(5)), error=None, branches=branches, cache=None,
+                owns_parts=False,
                 gen_branches=lambda branches=branches: branches,
             )
         )  # fmt: skip
