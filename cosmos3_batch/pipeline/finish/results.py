@@ -372,8 +372,3 @@ class ResultWriter:
 # What a shard's index keeps of each sample's sidecar: resume's checks and the manifest's columns.
 INDEXED = ("id", "kind", "request", "request_hash", "output_key", "inputs", "seed", "timings", "model",
            "model_digest", "rank")  # fmt: skip
-
-
-def _transfer_record(job) -> dict:
-    """A Transfer sidecar's controls (paths, hashes, derivations) and its chunks with the VAE calls made."""
-    return {"controls": controls_record(job.request.transfer), "chunks": job.vae_calls}
