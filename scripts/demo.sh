@@ -5,7 +5,9 @@
 # 2. examples/prompts.jsonl on the built-in tiny model (random weights: noise by design) -> out/demo/;
 # 3. the sound and action modes (examples/modes.jsonl) on a tiny model that has them -> out/demo-modes/;
 # 4. Transfer (examples/transfer.jsonl: controls derived from examples/clip.mp4) on the built-in tiny model
-#    -> out/demo-transfer/.
+#    -> out/demo-transfer/;
+# 5. the reasoner (examples/reason.jsonl: text and an image in, text out) on a tiny model that has one
+#    -> out/demo-reason/ (<id>.txt).
 # Nothing is downloaded.
 source "$(dirname "$0")/env.sh" run
 CACHE="${COSMOS3_BATCH_CACHE:-$HOME/.cache/cosmos3_batch}"
@@ -24,4 +26,9 @@ if [ ! -f "$MODES_MODEL/model_index.json" ]; then
 fi
 python -m cosmos3_batch run examples/modes.jsonl --model "$MODES_MODEL" --out out/demo-modes "$@"
 python -m cosmos3_batch run examples/transfer.jsonl --out out/demo-transfer "$@"
+REASON_MODEL="$CACHE/demo-reasoner"
+if [ ! -f "$REASON_MODEL/model_index.json" ]; then
+  python -m cosmos3_batch make-tiny "$REASON_MODEL" --reasoner
+fi
+python -m cosmos3_batch run examples/reason.jsonl --model "$REASON_MODEL" --out out/demo-reason "$@"
 echo "The demo model's shapes: open $(pwd)/out/demo-shapes/report.html in a browser (docs/demo-model.md)."

@@ -80,3 +80,15 @@ def test_a_checkpoint_without_the_reasoner_parts_is_named():
 def test_other_kinds_keep_their_hash():
     (request,), _ = _parse({"id": "t", "prompt": "x", "num_frames": 1})
     assert "reason" not in request.resolved() and request.kind == "t2i"
+
+
+def test_the_demos_reasoner_requests_are_valid():
+    """examples/reason.jsonl (scripts/demo.sh runs it on make-tiny --reasoner): each line a reason request."""
+    from pathlib import Path
+
+    from cosmos3_batch.requests.parse import load_requests
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "reason.jsonl"
+    requests, errors = load_requests(str(path))
+    assert errors == [] and [r.kind for r in requests] == ["reason"] * 3
+    assert [r.id for r in requests] == ["describe", "next", "score"]
