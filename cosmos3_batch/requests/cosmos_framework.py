@@ -54,6 +54,12 @@ def translate(sample: dict[str, Any], name: str, base_dir: str, limits: ModelLim
         return t
     t.obj["id"] = name
     _text(t, sample, base_dir)
+    if t.mode == table.REASONER:  # text out: the sample's fields beside the prompt go to `reason`
+        _reasoner(t, sample)
+        return t
+    for key in table.REASONER_FIELDS:
+        if sample.get(key) is not None:
+            t.refuse(key, "is a reasoner field: it needs model_mode reasoner")
     for theirs, ours in (("seed", "seed"), ("guidance_interval", "guidance_interval"), ("fps", "fps")):
         if theirs in sample:
             t.obj[ours] = sample[theirs]
@@ -71,6 +77,23 @@ def translate(sample: dict[str, Any], name: str, base_dir: str, limits: ModelLim
         _vision(t, sample, limits)
     _sampling(t, sample, hints, limits)
     return t
+
+
+def _reasoner(t: Translation, sample: dict[str, Any]) -> None:
+    """model_mode reasoner: this tool's `reason` request (the image or video from vision_path, the sampling
+    fields as they are, num_outputs and seed as for every sample); a generation field beside it is refused
+    by the request's own checks, under the name the sample gave."""
+    for theirs in ("seed", "num_outputs"):
+        if sample.get(theirs) is not None:
+            t.obj["seed" if theirs == "seed" else "samples"] = sample[theirs]
+    path = sample.get("vision_path")
+    if isinstance(path, str):
+        image = os.path.splitext(path)[1].lower() in table.IMAGE_SUFFIXES
+        t.obj["image" if image else "video"] = path
+    t.obj["reason"] = {key: sample[key] for key in table.REASONER_FIELDS if sample.get(key) is not None}
+    for key in ("num_steps", "guidance", "shift", "resolution", "num_frames", "fps", "negative_prompt"):
+        if sample.get(key) is not None:
+            t.refuse(key, "is a generation field: a reasoner sample has text out (model_mode reasoner)")
 
 
 def _lookup(sample: dict[str, Any], key: str) -> Any:
@@ -122,11 +145,11 @@ def _mode(t: Translation, sample: dict[str, Any]) -> str | None:
     if explicit in table.REFUSED_MODES:
         t.refuse("model_mode", f"{explicit!r} is not supported: {table.REFUSED_MODES[explicit]}")
         return None
-    known = (*table.VFM_MODES, *table.ACTION_MODES, *table.REFUSED_MODES)
+    known = (*table.VFM_MODES, *table.ACTION_MODES, table.REASONER, *table.REFUSED_MODES)
     if explicit is not None and explicit not in known:
         t.refuse("model_mode", f"must be one of {', '.join(known)}, got {describe(explicit)}")
         return None
-    if explicit in table.ACTION_MODES:
+    if explicit in table.ACTION_MODES or explicit == table.REASONER:
         return explicit
     path = sample.get("vision_path")
     kind = "text"

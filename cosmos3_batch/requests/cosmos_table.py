@@ -72,8 +72,17 @@ TRANSFER_DEFAULTS = {
 }  # fmt: skip
 TRANSFER_SAMPLE_DEFAULTS = {"num_video_frames_per_chunk": 93, "num_conditional_frames": 1}
 
+REASONER = "reasoner"  # model_mode: the checkpoint's reasoner, text out (this tool's `reason` requests)
+# Its sampling fields, the same names in this tool's `reason` object (NVIDIA's defaults are generate's:
+# greedy, max_new_tokens 1024, as ours).
+REASONER_FIELDS = (
+    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty",
+    "video_fps",
+)  # fmt: skip
+
 # NVIDIA field -> the field of this tool's request it becomes (docs/requests.md has the whole table).
 MAPPED = {
+    **{key: f"reason.{key}" for key in REASONER_FIELDS},
     "name": "id",
     "prompt": "prompt",
     "prompt_path": "prompt",
@@ -111,7 +120,6 @@ _NO_TEMPLATE = (
     "NVIDIA's own prompt-template text has no parameter in diffusers' pipeline, which applies its own "
     "templates (extra_params use_resolution_template / use_duration_template)"
 )
-_REASONER = "is a reasoner (model_mode reasoner) field: the reasoner is not supported yet"
 _UPSAMPLING = "prompt upsampling is not supported yet: give the prompt as it should be used"
 # NVIDIA field -> why it is refused. A field in NEUTRAL may still appear with that (no-op) value.
 REFUSED = {
@@ -137,8 +145,6 @@ REFUSED = {
     "show_input": "outputs stay this tool's layout: no input beside the video",
     "share_vision_temporal_positions": "diffusers' Transfer pipeline has no parameter for it",
     "emphasize_control_in_prompt": "the directive NVIDIA appends to the prompt has no parameter in diffusers",
-    **{key: _REASONER for key in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")},
-    **{key: _REASONER for key in ("repetition_penalty", "presence_penalty")},
     "prompt_upsampling": _UPSAMPLING,
     **{f"prompt_upsampler_{key}": _UPSAMPLING for key in ("max_tokens", "temperature", "top_p", "top_k")},
     **{f"prompt_upsampler_{key}": _UPSAMPLING for key in ("repetition_penalty", "presence_penalty", "seed")},
@@ -155,7 +161,6 @@ NEUTRAL = {
     "prompt_upsampling": False,
 }
 REFUSED_MODES = {
-    "reasoner": "the reasoner is not supported yet",
     "image2image": "image editing has no mode in diffusers' Cosmos3OmniPipeline",
     "audio_image2video": "audio conditioning has no input in diffusers' Cosmos3OmniPipeline",
 }

@@ -140,9 +140,30 @@ def test_unknown_keys_urls_and_unsupported_options_are_refused_by_name(tmp_path)
         "prompt as it should be used",
         "line 6, field 'normalize_cfg': not supported: diffusers' pipeline has no CFG normalization",
     ]
-    assert refusals(tmp_path, "r.yaml", "prompt: why\nmodel_mode: reasoner\n") == [
-        "line 2, field 'model_mode': 'reasoner' is not supported: the reasoner is not supported yet"
+    assert refusals(tmp_path, "r.yaml", "prompt: why\nmodel_mode: text2image\ntemperature: 0.7\n") == [
+        "line 3, field 'temperature': is a reasoner field: it needs model_mode reasoner"
     ]
+    assert refusals(tmp_path, "g.yaml", "prompt: why\nmodel_mode: reasoner\nnum_steps: 4\n") == [
+        "line 3, field 'num_steps': is a generation field: a reasoner sample has text out "
+        "(model_mode reasoner)"
+    ]
+
+
+def test_a_reasoner_sample_is_a_reason_request(media):
+    # NVIDIA's example: {"model_mode": "reasoner", "prompt": ..., "vision_path": "robot_pouring.mp4"}.
+    sample = {"model_mode": "reasoner", "prompt": "Describe what is happening in this video in one sentence.",
+              "vision_path": "clip.mp4", "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+              "presence_penalty": 1.5, "max_new_tokens": 64, "seed": 3407, "video_fps": 4}  # fmt: skip
+    ours = {"id": "s", "prompt": sample["prompt"], "video": "clip.mp4", "seed": 3407,
+            "reason": {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                       "presence_penalty": 1.5, "max_new_tokens": 64, "video_fps": 4}}  # fmt: skip
+    theirs, mine = both(media, sample, ours)
+    assert where_free(theirs) == where_free(mine) and theirs[0].kind == "reason"
+    sample = {"model_mode": "reasoner", "prompt": "what is this?", "vision_path": "c.png"}
+    ours = {"id": "i", "prompt": "what is this?", "image": "c.png", "reason": {}}
+    image, _ = both(media, sample, ours, name="i")
+    assert image[0].kind == "reason" and image[0].image == str(media / "c.png")
+    assert image[0].reason.max_new_tokens == 1024 and not image[0].reason.do_sample  # NVIDIA's defaults too
 
 
 def test_duplicate_names_are_an_error_as_in_nvidias_cli(tmp_path):
