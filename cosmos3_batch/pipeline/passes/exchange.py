@@ -75,6 +75,7 @@ class PassSync:
         self.waiting = WaitMark()
         self.marks = [self.waiting]
         self._waited_s = 0.0
+        self._reads: dict[str, tuple[str, str]] = {}  # host_read's labels: (place event, wait label)
         self._trace = hashlib.sha256()
         self._world_trace = hashlib.sha256()
 
@@ -116,10 +117,12 @@ class PassSync:
         """Around a point where the loop's host blocks on the device (a GPU only: on CPU it returns at once).
         No collective is issued there, but one a peer stalled may hold the stream it waits for: the wait is
         marked for rank 0's monitor and the place is kept for the line that ends the job (no trace entry)."""
-        event = f"read:{what}"
+        if (labels := self._reads.get(what)) is None:  # formatted once per kind of read, not per pass
+            event = f"read:{what}"
+            labels = self._reads[what] = (event, phase(event))
         if self.place is not None:
-            self.place.event = event
-        return self.waiting.waiting(phase(event))
+            self.place.event = labels[0]
+        return self.waiting.waiting(labels[1])
 
     def note(self, event: str) -> None:
         self._trace.update(event.encode() + b";")
