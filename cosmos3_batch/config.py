@@ -12,6 +12,7 @@ from cosmos3_batch.io.dataset import FORMATS, LAYOUTS, parse_shard_size, read_re
 from cosmos3_batch.plan.cache import CacheFlags, SeaSettings, parse_cache
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
+from cosmos3_batch.requests.chain import ChainDefaults, chain_defaults
 from cosmos3_batch.requests.cosmos_read import FORMATS as INPUT_FORMATS
 from cosmos3_batch.requests.fields import MAX_SAMPLES
 
@@ -69,6 +70,7 @@ class RunConfig:
     # NVIDIA's guardrails (docs/guardrails.md): --guardrails / --no-guardrails; None: on for real checkpoints,
     # off for the ones make-tiny writes (the built-in tiny and demo models).
     guardrails: bool | None = None
+    chain: ChainDefaults = field(default_factory=ChainDefaults)  # --upsample*, --caption* (requests/chain.py)
 
     @property
     def tag(self) -> str:
@@ -145,6 +147,7 @@ def make_config(
     prompts: str | Path | tuple[str, ...] = (),
     shard_size: str | None = None,
     cache: CacheFlags | None = None,
+    chain: tuple | None = None,
     **flags,
 ) -> RunConfig:
     """RunConfig from the CLI's values; any bad flag becomes a ConfigError (exit code 2).
@@ -162,6 +165,8 @@ def make_config(
             if flags["format"] != "webdataset":
                 raise ValueError("--shard-size applies to --format webdataset only")
             flags["shard_bytes"], flags["shard_samples"] = parse_shard_size(shard_size)
+        if chain is not None:
+            flags["chain"] = _chain(*chain)
         return RunConfig(
             offload=parse_offload(offload),
             shard=parsed,
@@ -174,3 +179,14 @@ def make_config(
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _chain(upsample, template: Path | None, *rest) -> ChainDefaults:
+    """The --upsample* / --caption* flags; the template file read now (a bad one is a ConfigError)."""
+    text = None
+    if template is not None:
+        try:
+            text = Path(template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--upsample-template {template}: cannot read it: {exc}") from None
+    return chain_defaults(upsample, text, *rest)

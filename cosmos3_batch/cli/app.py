@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 import cosmos3_batch.cli.cache as cli_cache
+import cosmos3_batch.cli.chain as cli_chain
 import cosmos3_batch.cli.data as cli_data
 import cosmos3_batch.cli.models as cli_models
 from cosmos3_batch.plan.prefill import PrefillRule
@@ -203,6 +204,13 @@ def run(
     guardrails: Annotated[
         bool | None, typer.Option("--guardrails/--no-guardrails", help=GUARDRAILS_HELP)
     ] = None,
+    upsample: cli_chain.Upsample = False,
+    upsample_template: cli_chain.UpsampleTemplate = None,
+    upsample_format: cli_chain.UpsampleFormat = "json",
+    upsample_fallback: cli_chain.UpsampleFallback = "fail",
+    upsample_max_new_tokens: cli_chain.UpsampleTokens = cli_chain.DEFAULTS[4],
+    caption: cli_chain.Caption = False,
+    caption_max_new_tokens: cli_chain.CaptionTokens = cli_chain.DEFAULTS[6],
 ) -> None:
     """Generate every request of PROMPTS. Exit 0: all ok; 1: some failed, or the checkpoint changed under
     the job; 2: bad input (nothing loaded); 69: a peer rank stalled past --collective-timeout-s or died
@@ -253,6 +261,8 @@ def run(
             cache=(cache, cache_threshold, cache_residual_order, cache_retention_steps, cache_end_steps,
                    cache_max_consecutive, cache_power_exp),
             guardrails=guardrails,
+            chain=(upsample, upsample_template, upsample_format, upsample_fallback, upsample_max_new_tokens,
+                   caption, caption_max_new_tokens),
         )  # fmt: skip
     except ConfigError as exc:  # the same flags on every rank: one of them says so, once
         typer.echo(f"error: {after_rank_0(str(exc))}", err=True)

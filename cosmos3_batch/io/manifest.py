@@ -31,7 +31,12 @@ SCHEMA = pa.schema(
         ("format", pa.string()),  # files | webdataset
         ("path", pa.string()),  # relative to OUT: the media file, or the shard
         ("member", pa.string()),  # webdataset: the media member in the shard
-        ("prompt", pa.string()),
+        ("prompt", pa.string()),  # as in the request file (the one upsampled, if it was)
+        ("prompt_original", pa.string()),  # upsample: the file's prompt (null when not asked)
+        ("prompt_upsampled", pa.string()),  # ... the prompt generated from (null: not rewritten)
+        ("caption", pa.string()),  # the reasoner's caption of the output (null when not asked)
+        ("score", pa.float64()),  # the first number of the reasoner's score reply (null: none, or not asked)
+        ("score_text", pa.string()),  # ... the reply itself
         ("negative_prompt", pa.string()),
         ("seed", pa.int64()),
         ("width", pa.int64()),
@@ -162,6 +167,7 @@ def _complete(output: Output, row: dict | None, fmt: str) -> dict:
         rank = _number(row.get("rank"), int)
     return {
         **_request_columns(request),
+        **_chain_columns(record),
         "id": output.id,
         "status": "ok",
         "kind": record.get("kind"),
@@ -211,6 +217,19 @@ def _forwards(cache: dict | None) -> str | None:
     """The sidecar's per-branch forwards under --cache sea, as JSON text."""
     forwards = (cache or {}).get("forwards")
     return None if forwards is None else json.dumps(forwards, sort_keys=True)
+
+
+def _chain_columns(record: dict) -> dict:
+    """The upsampled prompt, caption and score of a sidecar (io/text_outputs.py chain_facts)."""
+    upsample, texts = record.get("upsample") or {}, record.get("captions") or {}
+    caption, score = texts.get("caption") or {}, texts.get("score") or {}
+    return {
+        "prompt_original": upsample.get("prompt_original"),
+        "prompt_upsampled": upsample.get("prompt_upsampled"),
+        "caption": caption.get("text"),
+        "score": _number(score.get("score"), float),
+        "score_text": score.get("text"),
+    }
 
 
 def _request_columns(request: dict) -> dict:

@@ -27,14 +27,14 @@ ALLOWED_KEYS = (
     "num_inference_steps", "guidance_scale", "seed", "max_sequence_length", "flow_shift", "image",
     "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
     "action", "samples", "control", "control_guidance", "guidance_interval", "control_guidance_interval",
-    "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames", "reason",
+    "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames", "reason", "upsample",
+    "caption", "score",
 )  # fmt: skip
 # `"samples": N` fans one request out into N (DESIGN.md §13); bounded so a typo cannot queue a million.
 MAX_SAMPLES = 10_000
 # The prompt templates default to on, as in the reference pipeline: the model was trained with them.
 EXTRA_PARAMS_DEFAULTS = {"use_resolution_template": True, "use_duration_template": True, "guardrails": False}
-# `<id>.json` is the per-request sidecar, so id "summary" would overwrite the job's summary.json
-# (compared case-insensitively because macOS and Windows file systems are).
+# `<id>.json` is the sidecar: id "summary" would overwrite summary.json (case-insensitive, as macOS's FS is).
 RESERVED_IDS = frozenset({"summary"})
 
 _ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -66,6 +66,7 @@ class ModelLimits:
     # Whether this job runs NVIDIA's guardrails (--guardrails / --no-guardrails, docs/guardrails.md): a job
     # setting, which a request's `extra_params.guardrails` may only restate.
     guardrails: bool = False
+    chain: Any = None  # requests/chain.py ChainDefaults: the job's --upsample / --caption (None: off)
 
 
 DEFAULT_LIMITS = ModelLimits()  # a module constant rather than a call in every signature (ruff B008)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cosmos3_batch.requests.actions import ActionSpec, check_action_request, has_action
+from cosmos3_batch.requests.chain import CaptionSpec, ChainDefaults, UpsampleSpec, check_chain
 from cosmos3_batch.requests.cosmos_load import is_theirs, read_samples, settle
 from cosmos3_batch.requests.fields import (
     DEFAULT_FPS,
@@ -75,6 +76,12 @@ class Request:
     action: ActionSpec | None = None  # forward/inverse dynamics, policy (conditioned on image or video)
     transfer: TransferSpec | None = None  # control-conditioned generation (requests/transfer.py)
     reason: ReasonSpec | None = None  # the reasoner: text out (requests/reason.py); generation fields unused
+    upsample: UpsampleSpec | None = None  # its prompt rewritten by the reasoner first (requests/chain.py)
+    captions: CaptionSpec | None = None  # its output captioned / scored by the reasoner after decode
+    # Set on the request that generates from an upsampled prompt (`prompt` is then the upsampled text): the
+    # file's prompt, which its record and hash keep, and what the upsampling did (kinds/chained.py).
+    prompt_original: str | None = None
+    upsampled: dict | None = None
     source: str = ""  # the file it came from ("<stdin>" for standard input); not part of its record
     unit: str = "line"  # what `line` counts there: line, item (JSON array) or row (Parquet)
     sample: str | None = None  # an NVIDIA sample's `name` (requests/cosmos_load.py); not part of its record
@@ -106,6 +113,12 @@ class Request:
             fields["transfer"] = dataclasses.asdict(self.transfer)
         if self.reason is not None:
             fields["reason"] = dataclasses.asdict(self.reason)
+        if self.upsample is not None:
+            fields["upsample"] = self.upsample.record()
+        if self.captions is not None:
+            fields["captions"] = dataclasses.asdict(self.captions)
+        if self.prompt_original is not None:  # generated from its upsampled prompt: the same request
+            fields["prompt"] = self.prompt_original
         for key, unused in _MODE_FIELDS.items():
             if fields[key] is unused:
                 del fields[key]
@@ -117,7 +130,9 @@ class Request:
 
 
 _RECORDED = tuple(
-    f.name for f in dataclasses.fields(Request) if f.name not in ("line", "source", "unit", "sample")
+    f.name
+    for f in dataclasses.fields(Request)
+    if f.name not in ("line", "source", "unit", "sample", "prompt_original", "upsampled")
 )
 # Mode fields and the value that means "not used": such fields are left out of the resolved record.
 _MODE_FIELDS = {
@@ -129,6 +144,8 @@ _MODE_FIELDS = {
     "action": None,
     "transfer": None,
     "reason": None,
+    "upsample": None,
+    "captions": None,
 }
 
 
@@ -319,6 +336,9 @@ def _validate_object(
             **check_video(out, obj, base_dir, num_frames, limits.temporal_factor),
             "sound": check_sound(out, obj, limits, num_frames),
         }
+    chain = ChainDefaults() if limits.chain is None else limits.chain
+    if not reason:  # a reasoner line refuses these as generation fields (requests/reason.py)
+        media.update(check_chain(out, obj, chain, limits.reasoner_missing))
     numbers = check_numbers(out, obj, limits, num_frames)
     check_distilled(out, obj, numbers, limits)
     values = {

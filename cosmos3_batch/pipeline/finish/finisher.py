@@ -86,6 +86,10 @@ class Finisher:
         """Record a failure found by the loop, in order with the writes, without waiting for them."""
         self._queue(self.report, job, None, error)
 
+    def done(self, job: RequestJob, result: Result) -> None:
+        """Write a request decoded earlier (a captioned one: kinds/chained.py), in order with the others."""
+        self._queue(self.report, job, result, None)
+
     def _queue(self, fn, *args) -> None:
         # Finished futures are dropped, failed ones kept: close() re-raises them (no report is lost).
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]

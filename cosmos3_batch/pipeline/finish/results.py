@@ -22,7 +22,7 @@ from cosmos3_batch.io.inputs import input_record
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
-from cosmos3_batch.io.text_outputs import reason_facts, write_text
+from cosmos3_batch.io.text_outputs import chain_facts, chain_members, reason_facts, write_text
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.finish.blocked import record_blocked
@@ -310,6 +310,7 @@ class ResultWriter:
             "tokens": job.tokens,
             "files": files,
             **outputs.media_facts(result),
+            **chain_facts(r, result.texts if isinstance(result, Result) else None),
             "timings": {k: round(v, 6) for k, v in job.timings.items()},
             **(self.cfg.model_source.record() if self.cfg.model_source else {"model": str(self.model_dir)}),
             "model_digest": self.model_identity,
@@ -359,7 +360,10 @@ class ResultWriter:
             staged.append(("json", shards.stage(key, "json")))
             staged[-1][1].write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
             staged.append(("txt", shards.stage(key, "txt")))
-            staged[-1][1].write_text(r.prompt)
+            staged[-1][1].write_text(r.prompt_original or r.prompt)
+            for suffix, text in chain_members(sidecar).items():  # their own keys: caption.txt, ...
+                staged.append((suffix, shards.stage(key, suffix)))
+                staged[-1][1].write_text(text)
         except BaseException:
             for _, path in staged:
                 path.unlink(missing_ok=True)
@@ -371,4 +375,4 @@ class ResultWriter:
 
 # What a shard's index keeps of each sample's sidecar: resume's checks and the manifest's columns.
 INDEXED = ("id", "kind", "request", "request_hash", "output_key", "inputs", "seed", "timings", "model",
-           "model_digest", "rank")  # fmt: skip
+           "model_digest", "rank", "upsample", "captions")  # fmt: skip

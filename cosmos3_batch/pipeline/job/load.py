@@ -62,7 +62,7 @@ def load_model(cfg: RunConfig, world: World, plan: Plan, place: Place) -> Loaded
         vae_dtype=cfg.vae_dtype,
     )
     ctx.vae_team = build_team(ctx, parts, seq_group, decode_group)
-    if any(r.reason is not None for r in plan.requests):  # the ViT, lm_head and processor: this job reasons
+    if any(r.reason or r.upsample or r.captions for r in plan.requests):  # the ViT, lm_head, processor
         from cosmos3_batch.model.reasoner import Reasoner
 
         ctx.reasoner = Reasoner(checkpoint, ctx.split.transformer, world.device)

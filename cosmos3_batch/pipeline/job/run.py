@@ -25,6 +25,7 @@ from cosmos3_batch.io import dataset, outputs
 from cosmos3_batch.io.ffmpeg import pin_encoder
 from cosmos3_batch.io.metrics import MetricsWriter, state_dir
 from cosmos3_batch.io.space import check_room, output_bytes
+from cosmos3_batch.io.upsampled import UpsampleStore
 from cosmos3_batch.model.limits import limits_for
 from cosmos3_batch.model.loading import validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
@@ -69,6 +70,12 @@ def check_format(held, requests: list):
     return held
 
 
+def check_chained(cfg: RunConfig, requests: list) -> None:
+    """Upsampling and captions run on one rank per request: not yet inside an --sp or VAE group."""
+    if any(r.upsample or r.captions for r in requests) and (cfg.sp > 1 or cfg.vae_patch_parallel_size > 1):
+        raise ValueError("upsample / caption / score: not with --sp or --vae-patch-parallel-size above 1 yet")
+
+
 def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, resume: bool = True) -> Plan:
     """`stdin`: the bytes of standard input when PROMPTS names "-" (read once, by rank 0). `resume=False`
     (ranks other than 0): OUT is neither read nor checked and nothing is tokenized: the plan holds all of
@@ -83,7 +90,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
         # Collect the file's problems and the token-count problems, then report them all at once.
         requests, invalid = load_requests(
             cfg.prompts,
-            replace(limits_for(checkpoint, cfg.max_vision_tokens), guardrails=guardrails),
+            replace(limits_for(checkpoint, cfg.max_vision_tokens), guardrails=guardrails, chain=cfg.chain),
             skip_invalid=True,
             samples=cfg.samples_per_prompt,
             columns=Columns(cfg.prompt_column, cfg.id_column),
@@ -98,6 +105,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
         check_patchable(checkpoint.config("vae"), cfg.vae_patch_parallel_size)
         check_dtypes(cfg, checkpoint)
         check_cache(cfg.cache, requests)
+        check_chained(cfg, requests)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     tokenizer = load_tokenizer(checkpoint)
@@ -301,6 +309,7 @@ def _runner(cfg: RunConfig, loaded: Loaded, writer: ResultWriter, bar: Progress,
         on_exchange=None if monitor is None else monitor.on_exchange,
         failures=lambda: len(writer.failed),
         cache=cfg.cache,
+        upsampled=UpsampleStore(cfg.out, writer.model_identity),  # read only for upsampled requests
     )
 
 

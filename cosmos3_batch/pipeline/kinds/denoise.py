@@ -51,6 +51,7 @@ class Result:
     sound: torch.Tensor | None = None  # [channels, samples] float32 in [-1, 1]: the reference's `.sound`
     sample_rate: int | None = None  # of `sound`
     actions: torch.Tensor | None = None  # [T, D] float32: the reference's `.action[0]` (inverse dyn., policy)
+    texts: dict | None = None  # the reasoner's caption / score of these frames (kinds/chained.py)
 
 
 class RequestJob(GateView):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.pipeline.finish.vae_team import VaeTeam, agree_inputs
+from cosmos3_batch.pipeline.kinds.chained import UpsampleJob
 from cosmos3_batch.pipeline.kinds.context import ModelContext
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob
 from cosmos3_batch.pipeline.kinds.reason import ReasonJob
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 def job_class(request: Request) -> type[RequestJob]:
     """The state machine a request runs as, by its kind: the reasoner's decode, Transfer's chunk chain, or the
     one-segment job. A new kind adds its class here; the runner asks every kind the same questions."""
+    if request.upsample is not None and request.upsampled is None:  # its prompt is rewritten first
+        return UpsampleJob
     if request.reason is not None:
         return ReasonJob
     return TransferJob if request.transfer is not None else RequestJob
@@ -46,9 +49,12 @@ class Admission:
     cache: SeaSettings | None  # --cache sea
     team: VaeTeam | None = None  # --vae-patch-parallel-size: admission's encodes are the group's
     ahead: AheadOfAdmission | None = None  # Transfer requests' host inputs, prepared off the loop
+    resolve: Callable[[Request], Request] | None = None  # passes/chains.py: an upsampled prompt recorded
 
     def admit(self, requests: list[Request]) -> tuple[list[RequestJob], list[tuple[RequestJob, str]]]:
         """(the jobs admitted, the (job, error) of those that failed to prepare)."""
+        if self.resolve is not None:
+            requests = [self.resolve(request) for request in requests]
         jobs = [
             job_class(request)(self.ctx, request, und_cache=self.und_cache, sp=self.sp)
             for request in requests

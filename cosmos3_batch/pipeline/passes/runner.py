@@ -37,10 +37,12 @@ from cosmos3_batch.pipeline.kinds.transfer.chain import rejoin
 from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
 from cosmos3_batch.pipeline.passes.admission import Admission, describe
 from cosmos3_batch.pipeline.passes.apply import PartApplier
+from cosmos3_batch.pipeline.passes.chains import Chains, poll_captions
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
 
 if TYPE_CHECKING:
+    from cosmos3_batch.io.upsampled import UpsampleStore
     from cosmos3_batch.parallel.seq_group import SeqGroup
     from cosmos3_batch.plan.cache import SeaSettings
     from cosmos3_batch.requests.parse import Request
@@ -89,6 +91,7 @@ class PassRunner:
         on_exchange: Callable[[Exchanged], None] | None = None,
         failures: Callable[[], int] | None = None,
         cache: SeaSettings | None = None,
+        upsampled: UpsampleStore | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -142,9 +145,10 @@ class PassRunner:
         self._count_lock = threading.Lock()  # held only to bump or take that count, never during a write
         self.ahead = AheadOfAdmission(ctx.helper, ctx.split.dtype)  # Transfer inputs, read off the loop
         gap = self.rule.chunk_gap
-        self.admission = Admission(
-            ctx, self.und_cache, sp, gap, self.finisher.hand_off, self.leads, cache, self.team, self.ahead
-        )
+        # Reasoner stages chained to generation (passes/chains.py); `_requeue`: just upsampled, to generate.
+        self.chains, self._requeue = Chains(upsampled, self.finisher, gap), []
+        self.admission = Admission(ctx, self.und_cache, sp, gap, self.finisher.hand_off, self.leads, cache,
+                                   self.team, self.ahead, self.chains.resolve)  # fmt: skip
 
     def _trace_groups(self) -> None:
         """The groups' collectives go into the pass trace, and their waits are marked for rank 0's monitor."""
@@ -184,6 +188,8 @@ class PassRunner:
             self.ahead.look(slots.queue)  # the next Transfer requests' files, read and prepared off the loop
             with self.sync.host_read("a Transfer chunk boundary's result"):
                 active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
+            with self.sync.host_read("a caption's decoded frames"):
+                failed += poll_captions(active)  # kinds/chained.py: frames back from the finisher's decode
             for job, error in failed:
                 self._fail(job, error)
             with self.sync.host_read("the step cache's distances"):  # before any layer: what runs this pass
@@ -219,6 +225,8 @@ class PassRunner:
             if self.team is not None and any(job.last_step for job in active):
                 submit = self.sp.agree([submit])[0]  # every decoding rank submits the same requests
             active = self._finish(active, submit=submit)
+            slots.queue.extendleft(reversed(self._requeue))  # upsampled: generated next, on this rank
+            self._requeue.clear()
 
     def _exchange(self, active: list[RequestJob], slots: RankSlots, computing: int) -> Exchanged:
         """The pass's one all-reduce: this rank's state and live figures in, the world's sums back."""
@@ -372,7 +380,12 @@ class PassRunner:
                 # Only the latents are needed from here: drop the UND caches and GEN streams now, so
                 # device memory does not grow with the decode backlog.
                 job.branches = []
-                if self.leads:
+                if (after := self.chains.after(job)).chained:  # a reasoner stage before or after it
+                    if after.error is not None:
+                        self._fail(job, after.error)
+                    self._requeue += [] if after.requeue is None else [after.requeue]
+                    still += [] if after.job is None else [after.job]
+                elif self.leads:
                     self.finisher.submit(job)  # decode + write off the loop: the other ranks need not wait
                 elif self.decodes:
                     self.finisher.submit(job, write=False)  # decodes with the writer (vae_team.py)
