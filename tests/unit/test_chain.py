@@ -1,8 +1,8 @@
-"""A dataset job end to end (issue 45, DESIGN.md §22) at world 1, bit-exact on CPU: the upsampled prompt
-equals transformers' `generate` on the filled instruction with NVIDIA's upsampler sampling and the request's
-seed; the generation from it equals diffusers' pipeline given that text; a caption and a score of a generated image
-equal `generate` on its decoded frames; the records (sidecar, manifest, `upsampled/`), resume reusing the
-recorded prompt, both fallbacks of an unparseable reply, and what is skipped and why."""
+"""A dataset job end to end (issue 45, DESIGN.md §22) at world 1, bit-exact on CPU: the upsampled
+prompt equals transformers' `generate` on the filled instruction with NVIDIA's upsampler sampling and the
+request's seed; the generation from it equals diffusers' pipeline given that text; a caption and a score of a
+generated image equal `generate` on its decoded frames; the records (sidecar, manifest, `upsampled/`), resume
+reusing the recorded prompt, both fallbacks of an unparseable reply, and what is skipped and why."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The chained stages' fields and flags (issue 45, requests/chain.py): validated with line and field, the
-job's flags as defaults a line overrides, the record (and so the hash) holding the template's digest and settings;
-the reply and score parsers and the template's fields."""
+"""The chained stages' fields and flags (issue 45, requests/chain.py): validated with line and field,
+the job's flags as defaults a line overrides, the record (and so the hash) holding the template's digest and
+settings; the reply and score parsers and the template's fields."""
 
 from __future__ import annotations
 
