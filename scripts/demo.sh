@@ -7,7 +7,9 @@
 # 4. Transfer (examples/transfer.jsonl: controls derived from examples/clip.mp4) on the built-in tiny model
 #    -> out/demo-transfer/;
 # 5. the reasoner (examples/reason.jsonl: text and an image in, text out) on a tiny model that has one
-#    -> out/demo-reason/ (<id>.txt).
+#    -> out/demo-reason/ (<id>.txt);
+# 6. a dataset job end to end (examples/dataset.jsonl: short prompts upsampled by that reasoner, outputs
+#    captioned and scored by it; docs/chain.md) -> out/demo-dataset/ (manifest.parquet holds both prompts).
 # Nothing is downloaded.
 source "$(dirname "$0")/env.sh" run
 CACHE="${COSMOS3_BATCH_CACHE:-$HOME/.cache/cosmos3_batch}"
@@ -31,4 +33,7 @@ if [ ! -f "$REASON_MODEL/model_index.json" ]; then
   python -m cosmos3_batch make-tiny "$REASON_MODEL" --reasoner
 fi
 python -m cosmos3_batch run examples/reason.jsonl --model "$REASON_MODEL" --out out/demo-reason "$@"
+# Random weights write no JSON object: the text format takes the reply as it is.
+python -m cosmos3_batch run examples/dataset.jsonl --model "$REASON_MODEL" --out out/demo-dataset \
+  --upsample-format text --upsample-max-new-tokens 48 --caption-max-new-tokens 24 "$@"
 echo "The demo model's shapes: open $(pwd)/out/demo-shapes/report.html in a browser (docs/demo-model.md)."

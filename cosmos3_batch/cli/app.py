@@ -331,6 +331,10 @@ def plan(
     guardrails: Annotated[
         bool | None, typer.Option("--guardrails/--no-guardrails", help=PLAN_GUARD_HELP)
     ] = None,
+    upsample: cli_chain.Upsample = False,
+    upsample_max_new_tokens: cli_chain.UpsampleTokens = cli_chain.DEFAULTS[4],
+    caption: cli_chain.Caption = False,
+    caption_max_new_tokens: cli_chain.CaptionTokens = cli_chain.DEFAULTS[6],
 ) -> None:
     """Validate PROMPTS without loading weights; show the rank schedule and, with --model, memory and time."""
     import json
@@ -338,6 +342,7 @@ def plan(
     from cosmos3_batch.plan import job_plan
     from cosmos3_batch.plan.hardware import Hardware, preset, with_overrides
     from cosmos3_batch.plan.prefill import PrefillRule
+    from cosmos3_batch.requests.chain import chain_defaults
     from cosmos3_batch.requests.sources import STDIN, Columns
 
     stdin = sys.stdin.buffer.read() if STDIN in prompts else None
@@ -348,12 +353,14 @@ def plan(
             hbm_gbps=hbm_gbps, device_gib=device_gib, host_gib_per_node=host_gib,
         )  # fmt: skip
         rule = PrefillRule(prefill_free_share, prefill_max_wait, prefill_lookahead, chunk_gap_passes)
+        chain = chain_defaults(upsample, None, "json", "fail", upsample_max_new_tokens, caption,
+                               caption_max_new_tokens)  # fmt: skip
         doc, text = job_plan.plan_job(
             prompts, model, nproc, nnodes, offload, max_active, hw, shard, max_vision_tokens, rule, sp,
             samples=samples_per_prompt, columns=Columns(prompt_column, id_column), stdin=stdin, dtype=dtype,
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
             vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
-            input_format=input_format, und_resident=und_resident, guardrails=guardrails,
+            input_format=input_format, und_resident=und_resident, guardrails=guardrails, chain=chain,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

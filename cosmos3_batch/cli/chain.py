@@ -45,7 +45,7 @@ Caption = Annotated[
     bool,
     typer.Option(
         help="Caption every generated image or video with the reasoner, from its decoded frames (a line's "
-        '"caption": false opts out, a string is its own instruction); greedy; in the sidecar and manifest.'
+        '"caption_instruction": false opts out, a string is its own); greedy; in the sidecar and manifest.'
     ),
 ]
 CaptionTokens = Annotated[int, typer.Option(help="Tokens a caption or a score reply may hold.")]

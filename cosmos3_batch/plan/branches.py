@@ -109,6 +109,26 @@ def sim_request(request, chunk_gap: int, decisions: str = "") -> SimRequest:
     return SimRequest(request.id, len(joined), texts, joined)
 
 
+def chain_tokens(request) -> tuple[int, int]:
+    """(tokens planned for its upsampling, for its captions and score): each stage's max_new_tokens."""
+    upsample = getattr(request, "upsample", None)
+    captions = getattr(request, "captions", None)
+    up = upsample.max_new_tokens if upsample is not None else 0
+    return up, captions.max_new_tokens * len(captions.tasks()) if captions is not None else 0
+
+
+def sim_requests(request, chunk_gap: int) -> list[SimRequest]:
+    """The stand-ins of a request and of the reasoner stages chained to it (DESIGN.md §22), in the order the
+    rank runs them: its upsampling decode, its generation, its captions' decodes. Replayed as requests queued
+    one after another on its rank, where the runner puts the generation at the head of the queue and a
+    caption in the generation's own slot: the passes planned for a chained job are close to the run's, not
+    equal (the tokens, and so the UND bytes per token, are the same planned bounds)."""
+    up, after = chain_tokens(request)
+    stand_ins = [SimRequest(f"{request.id}:upsample", up, 1, decodes=True)] if up else []
+    stand_ins.append(sim_request(request, chunk_gap))
+    return stand_ins + ([SimRequest(f"{request.id}:captions", after, 1, decodes=True)] if after else [])
+
+
 def transfer_work(requests) -> dict | None:
     """A job's Transfer chains, counted as the runner does them (None without any): chunks, and the VAE calls
     between them, each chunk decoded once and encoded once per control and once for its target."""

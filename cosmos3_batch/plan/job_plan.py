@@ -4,6 +4,7 @@ the weights' format and the estimate (plan/planner.py)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -53,11 +54,13 @@ def plan_job(
     input_format: str = "auto",
     und_resident: bool = False,
     guardrails: bool | None = None,
+    chain=None,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
     `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse).
-    `guardrails`: as `run --guardrails`; None: on for a real checkpoint, off for make-tiny's (and none)."""
+    `guardrails`: as `run --guardrails`; None: on for a real checkpoint, off for make-tiny's (and none).
+    `chain`: requests/chain.py ChainDefaults of `--upsample` / `--caption` (None: off)."""
     from cosmos3_batch.engine.transport import parse_offload
     from cosmos3_batch.plan.validate import checked_requests
 
@@ -71,6 +74,8 @@ def plan_job(
         check_model(sp, checkpoint.config("transformer"))
         check_patchable(checkpoint.config("vae"), vae_parts)
     limits = _limits(checkpoint, max_vision_tokens)
+    if chain is not None:
+        limits = replace(limits, chain=chain)
     # What run refuses before loading, plan refuses in the same words (with --model: the token counts too).
     requests = checked_requests(
         prompts, checkpoint, limits, samples=samples, columns=columns, stdin=stdin, input_format=input_format

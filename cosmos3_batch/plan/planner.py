@@ -17,7 +17,7 @@ from cosmos3_batch.engine.offload import slot_sizes
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.cosmos3 import GEN, LANE_SLOTS, UND
 from cosmos3_batch.parallel.sequence import SpCost, sp_cost, spans_nodes
-from cosmos3_batch.plan.branches import most_branches, sim_request
+from cosmos3_batch.plan.branches import most_branches, sim_requests
 from cosmos3_batch.plan.cache import skip_share
 from cosmos3_batch.plan.device_memory import (
     activation_bytes,
@@ -262,5 +262,5 @@ def simulate_job(
         und = [p for p in shape.parts if not p.key.endswith(GEN)]
         und_bytes = 0 if und_resident else sum(_bytes_per_pass(und, mode, world))
         parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), und_bytes)
-    sim_queues = [[sim_request(r, rule.chunk_gap) for r in queue] for queue in queues]
+    sim_queues = [[s for r in queue for s in sim_requests(r, rule.chunk_gap)] for queue in queues]
     return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))

@@ -5,16 +5,23 @@ active on it, so the bytes per token fall as more sequences share the passes (`-
 
 from __future__ import annotations
 
+from cosmos3_batch.plan.branches import chain_tokens
 from cosmos3_batch.plan.simulator import Simulation
 
 
 def reason_work(requests, sim: Simulation) -> dict | None:
+    """Reasoner requests and the reasoner stages chained to generation requests (upsample, caption, score:
+    DESIGN.md §22), their tokens planned apart and together."""
     reasoners = [r for r in requests if getattr(r, "reason", None) is not None]
-    if not reasoners:
+    chained = [chain_tokens(r) for r in requests]
+    upsample, captions = sum(up for up, _ in chained), sum(after for _, after in chained)
+    if not reasoners and not upsample and not captions:
         return None
-    tokens = sum(r.reason.max_new_tokens for r in reasoners)
+    tokens = sum(r.reason.max_new_tokens for r in reasoners) + upsample + captions
     return {
         "requests": len(reasoners),
+        "upsample_tokens_planned": upsample,
+        "caption_tokens_planned": captions,
         "tokens_planned": tokens,
         "decode_passes": sim.decode_passes,
         "tokens_per_decode_pass": tokens / sim.decode_passes if sim.decode_passes else 0.0,
@@ -23,8 +30,14 @@ def reason_work(requests, sim: Simulation) -> dict | None:
 
 
 def describe_reason(work: dict) -> str:
+    chained = ""
+    if work["upsample_tokens_planned"] or work["caption_tokens_planned"]:
+        chained = (
+            f" (of which {work['upsample_tokens_planned']:,} upsampling prompts and "
+            f"{work['caption_tokens_planned']:,} captioning and scoring outputs)"
+        )
     return (
-        f"reasoner: {work['requests']} request(s), up to {work['tokens_planned']:,} tokens on "
+        f"reasoner: {work['requests']} request(s){chained}, up to {work['tokens_planned']:,} tokens on "
         f"{work['decode_passes']:,} decode passes ({work['tokens_per_decode_pass']:.1f} tokens a pass); "
         f"UND weight bytes moved per generated token: {work['und_bytes_per_token']:,.0f} (all ranks)"
     )

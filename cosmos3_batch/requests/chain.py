@@ -1,5 +1,6 @@
 """The reasoner stages chained to a generation request (DESIGN.md §22): `upsample` rewrites its prompt
-before generation, `caption` and `score` describe and rate what was generated. Checked here like every other
+before generation, `caption_instruction` and `score_instruction` describe and rate what was generated (not
+`caption`/`score`: a dataset table's `caption` column is its prompt). Checked here like every other
 field (line and field named); the job's flags (--upsample, --caption) set the default a line may override.
 No torch here.
 
@@ -19,7 +20,7 @@ from typing import Any
 from cosmos3_batch.requests.fields import _ABSENT, LineErrors, _check_text, _get, describe
 from cosmos3_batch.requests.reason import ReasonSpec
 
-CHAIN_KEYS = ("upsample", "caption", "score")
+CHAIN_KEYS = ("upsample", "caption_instruction", "score_instruction")
 FORMATS = ("json", "text")
 FALLBACKS = ("fail", "original")
 # NVIDIA's upsampler samples (its inference CLI's prompt_upsampler defaults); our seed is the request's own.
@@ -133,29 +134,41 @@ def _flag(out: LineErrors, key: str, value: Any) -> bool | None:
 
 
 def check_chain(out: LineErrors, obj: dict[str, Any], defaults: ChainDefaults, reasoner_missing) -> dict:
-    """The Request fields `upsample`, `caption`, `score` of a generation line (a reasoner line refuses them as
-    generation fields: requests/reason.py). A line's own value wins over the job's flag."""
+    """The fields `upsample`, `caption_instruction`, `score_instruction` of a generation line (a
+    reasoner line refuses them as generation fields: requests/reason.py). A line's own value wins
+    over the job's flag."""
     upsample = _get(obj, "upsample")
     wanted = defaults.upsample_all if upsample is _ABSENT else _flag(out, "upsample", upsample)
-    caption = _get(obj, "caption")
+    caption = _get(obj, "caption_instruction")
     if caption is _ABSENT:
         instruction = defaults.caption
     elif isinstance(caption, bool):
         instruction = DEFAULT_CAPTION if caption else None
-    elif (instruction := _check_text(out, "caption", caption)) is not None and not instruction.strip():
-        out.add("caption", "must be true, false or a non-empty instruction")
-    score = _get(obj, "score")
-    if score is not _ABSENT and (score := _check_text(out, "score", score)) is not None and not score.strip():
-        out.add("score", "must be a non-empty instruction (e.g. 'Rate the physical plausibility 1-5.')")
+    elif (instruction := _check_text(out, "caption_instruction", caption)) is not None and not (
+        instruction.strip()
+    ):
+        out.add("caption_instruction", "must be true, false or a non-empty instruction")
+    score = _get(obj, "score_instruction")
+    if score is not _ABSENT:
+        score = _check_text(out, "score_instruction", score)
+    if isinstance(score, str) and not score.strip():
+        out.add(
+            "score_instruction",
+            "must be a non-empty instruction (e.g. 'Rate the physical plausibility 1-5.')",
+        )
     score = None if score is _ABSENT else score
-    asked = [key for key, on in (("upsample", wanted), ("caption", instruction), ("score", score)) if on]
+    named = (("upsample", wanted), ("caption_instruction", instruction), ("score_instruction", score))
+    asked = [key for key, on in named if on]
     if asked and reasoner_missing:
         missing = "; ".join(reasoner_missing)
         out.add(
             asked[0], f"needs the checkpoint's reasoner, which it lacks: {missing} (make-tiny --reasoner)"
         )
     if _get(obj, "action") is not _ABSENT and (instruction or score):
-        out.add("caption" if instruction else "score", "an action request's output is its actions, not media")
+        out.add(
+            "caption_instruction" if instruction else "score_instruction",
+            "an action request's output is its actions, not media",
+        )
     spec = defaults.upsample if wanted else None
     if wanted and spec is None:
         spec = UpsampleSpec(DEFAULT_TEMPLATE)

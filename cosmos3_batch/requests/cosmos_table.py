@@ -120,7 +120,10 @@ _NO_TEMPLATE = (
     "NVIDIA's own prompt-template text has no parameter in diffusers' pipeline, which applies its own "
     "templates (extra_params use_resolution_template / use_duration_template)"
 )
-_UPSAMPLING = "prompt upsampling is not supported yet: give the prompt as it should be used"
+_UPSAMPLING = (
+    "NVIDIA's upsampler (its template, its fixed seed) is not run: drop the field and pass --upsample for "
+    "this project's own, recorded per output (docs/chain.md)"
+)
 # NVIDIA field -> why it is refused. A field in NEUTRAL may still appear with that (no-op) value.
 REFUSED = {
     "output_dir": "outputs go to --out, in this tool's layout (docs/outputs.md)",

@@ -28,7 +28,7 @@ ALLOWED_KEYS = (
     "extra_params", "video", "condition_frames", "condition_video_keep", "system_prompt", "sound",
     "action", "samples", "control", "control_guidance", "guidance_interval", "control_guidance_interval",
     "frames_per_chunk", "conditional_frames", "first_chunk_conditional_frames", "reason", "upsample",
-    "caption", "score",
+    "caption_instruction", "score_instruction",
 )  # fmt: skip
 # `"samples": N` fans one request out into N (DESIGN.md §13); bounded so a typo cannot queue a million.
 MAX_SAMPLES = 10_000

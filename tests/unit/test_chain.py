@@ -33,8 +33,8 @@ CAP = {
     "prompt": "a blue cube",
     **IMAGE,
     "seed": 6,
-    "caption": True,
-    "score": "Rate it 1-5: {prompt}",
+    "caption_instruction": True,
+    "score_instruction": "Rate it 1-5: {prompt}",
 }
 PLAIN = {"id": "plain", "prompt": "a green cone", **IMAGE, "seed": 7}
 STRUCTURED = {"id": "json", "prompt": '{"scene_imagination": "a yellow star"}', **IMAGE, "upsample": True}

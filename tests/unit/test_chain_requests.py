@@ -5,6 +5,7 @@ settings; the reply and score parsers and the template's fields."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -20,7 +21,7 @@ from cosmos3_batch.requests.chain import (
     skip_reason,
 )
 from cosmos3_batch.requests.fields import ModelLimits
-from cosmos3_batch.requests.parse import parse_lines
+from cosmos3_batch.requests.parse import load_requests, parse_lines
 
 LIMITS = ModelLimits(reasoner_missing=())
 ROW = {"prompt": "a cat", "size": "32x32", "num_frames": 1}
@@ -33,7 +34,7 @@ def _parse(*objects, limits=LIMITS):
 def test_fields_select_the_stages_and_the_flags_are_defaults_a_line_overrides():
     (up, cap, off), errors = _parse(
         {**ROW, "upsample": True},
-        {**ROW, "caption": "Say what.", "score": "1-5?"},
+        {**ROW, "caption_instruction": "Say what.", "score_instruction": "1-5?"},
         {**ROW, "upsample": False},
     )
     assert errors == []
@@ -41,7 +42,7 @@ def test_fields_select_the_stages_and_the_flags_are_defaults_a_line_overrides():
     assert (cap.captions.caption, cap.captions.score, cap.upsample) == ("Say what.", "1-5?", None)
     assert off.upsample is None
     flags = chain_defaults(True, "Mine: {prompt}", "text", "original", 50, True, 7)
-    (default, opted_out), errors = _parse(ROW, {**ROW, "upsample": False, "caption": False},
+    (default, opted_out), errors = _parse(ROW, {**ROW, "upsample": False, "caption_instruction": False},
                                           limits=ModelLimits(reasoner_missing=(), chain=flags))  # fmt: skip
     assert errors == []
     assert (default.upsample.template, default.upsample.fallback, default.upsample.max_new_tokens) == (
@@ -65,14 +66,21 @@ def test_the_record_holds_the_templates_digest_so_a_new_template_is_a_new_reques
 def test_bad_values_are_named_by_field_and_line():
     _, errors = _parse(
         {**ROW, "upsample": "yes"},
-        {**ROW, "caption": ""},
-        {**ROW, "score": 3},
-        {"prompt": "x", "reason": {}, "caption": True},
+        {**ROW, "caption_instruction": ""},
+        {**ROW, "score_instruction": 3},
+        {"prompt": "x", "reason": {}, "caption_instruction": True},
     )
     found = {(e.line, e.field) for e in errors}
-    assert {(1, "upsample"), (2, "caption"), (3, "score"), (4, "caption")} <= found
-    _, errors = _parse({**ROW, "caption": True}, limits=ModelLimits(reasoner_missing=("the ViT weights",)))
-    assert errors[0].field == "caption" and "the ViT weights" in errors[0].message
+    assert {
+        (1, "upsample"),
+        (2, "caption_instruction"),
+        (3, "score_instruction"),
+        (4, "caption_instruction"),
+    } <= found
+    _, errors = _parse(
+        {**ROW, "caption_instruction": True}, limits=ModelLimits(reasoner_missing=("the ViT weights",))
+    )
+    assert errors[0].field == "caption_instruction" and "the ViT weights" in errors[0].message
 
 
 @pytest.mark.parametrize(
@@ -127,3 +135,17 @@ def test_template_fields_and_what_is_skipped():
     assert "action mode" in skip_reason("pick the cup", action=True)
     assert "already structured" in skip_reason(' {"scene": "x"}', action=False)
     assert skip_reason("{not json", action=False) is None and skip_reason("a cat", action=False) is None
+
+
+def test_the_demos_dataset_requests_are_valid():
+    """examples/dataset.jsonl (scripts/demo.sh runs it on make-tiny --reasoner): upsampled and captioned."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "dataset.jsonl"
+    requests, errors = load_requests(str(path), LIMITS)
+    assert errors == [] and [r.id for r in requests] == ["street", "kitchen", "plain"]
+    assert [r.upsample is not None for r in requests] == [True, True, False]
+    assert [r.captions.tasks() if r.captions else [] for r in requests] == [
+        [("caption", DEFAULT_CAPTION)],
+        [("caption", "Name every object you see."),
+         ("score", "Rate the physical plausibility of this image from 1 to 5.")],
+        [],
+    ]  # fmt: skip

@@ -136,8 +136,9 @@ def test_unknown_keys_urls_and_unsupported_options_are_refused_by_name(tmp_path)
         "download it and give its path",
         "line 4, field 'num_frame': unknown key: NVIDIA's cosmos-framework samples have no such field "
         "(did you mean 'num_frames'?)",
-        "line 5, field 'prompt_upsampling': not supported: prompt upsampling is not supported yet: give the "
-        "prompt as it should be used",
+        "line 5, field 'prompt_upsampling': not supported: NVIDIA's upsampler (its template, its fixed seed) "
+        "is not run: drop the field and pass --upsample for this project's own, recorded per output "
+        "(docs/chain.md)",
         "line 6, field 'normalize_cfg': not supported: diffusers' pipeline has no CFG normalization",
     ]
     assert refusals(tmp_path, "r.yaml", "prompt: why\nmodel_mode: text2image\ntemperature: 0.7\n") == [

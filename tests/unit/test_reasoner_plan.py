@@ -79,3 +79,28 @@ def test_und_resident_streams_only_gen_parts_and_plan_counts_the_same(tiny_reaso
 
     latents = [load_file(out / "t2v.latents.safetensors")["latents"] for out in outs.values()]
     assert latents[0].equal(latents[1])
+
+
+def test_plan_counts_the_tokens_of_chained_stages(tiny_reasoner_ckpt, tmp_path):
+    """A request's upsampling and its caption and score are reasoner tokens `plan` counts (issue 45): each
+    stage's max_new_tokens, on top of the reasoner requests'."""
+    rows = [
+        {"id": "a", **T2V, "upsample": True, "caption_instruction": True, "score_instruction": "Rate 1-5."},
+        {"id": "b", **T2V, "caption_instruction": "Name the colours."},
+        {"id": "c", **T2V},
+        {"id": "r", "prompt": "Describe.", "reason": {"max_new_tokens": 7}},
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    args = ["plan", str(prompts), "--model", str(tiny_reasoner_ckpt)]
+    args += ["--upsample-max-new-tokens", "40", "--caption-max-new-tokens", "9"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    work = json.loads(result.output)["reason"]
+    # Only a upsamples (c follows the job: no --upsample); a has a caption and a score, b a caption.
+    assert (work["upsample_tokens_planned"], work["caption_tokens_planned"]) == (40, 9 * 3)
+    assert work["tokens_planned"] == 40 + 27 + 7
+    assert work["requests"] == 1
+    text = CliRunner().invoke(app, args).output
+    assert "of which 40 upsampling prompts and 27 captioning and scoring outputs" in text
+    every = json.loads(CliRunner().invoke(app, [*args, "--json", "--upsample", "--caption"]).output)["reason"]
+    assert (every["upsample_tokens_planned"], every["caption_tokens_planned"]) == (40 * 3, 9 * 4)

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from cosmos3_batch.requests.actions import ActionSpec
+from cosmos3_batch.requests.chain import DEFAULT_TEMPLATE, CaptionSpec, UpsampleSpec
 from cosmos3_batch.requests.parse import (
     DEFAULT_FPS,
     DEFAULT_GUIDANCE,
@@ -542,14 +543,27 @@ CHANGES = {
     "action": ActionSpec("policy", 8, "fractal", 256, "ego_view"),
     "transfer": TransferSpec((("edge", "/e.mp4"),), (9,), 1.0, None, None, 9, 1, 9, 1),
     "reason": ReasonSpec(max_new_tokens=8),
+    "upsample": UpsampleSpec(DEFAULT_TEMPLATE),
+    "captions": CaptionSpec(caption="Say what you see."),
 }
 
 
 def test_changes_cover_every_field_but_line():
     # line, source, unit and an NVIDIA sample's name say where a request came from: moving it between files
     # keeps its record.
-    where = {"line", "source", "unit", "sample"}
+    # prompt_original and upsampled are set on the request that generates from its upsampled prompt: the
+    # same request (test_upsampled_request_keeps_its_hash).
+    where = {"line", "source", "unit", "sample", "prompt_original", "upsampled"}
     assert set(CHANGES) == {f.name for f in dataclasses.fields(Request)} - where
+
+
+def test_upsampled_request_keeps_its_hash():
+    request = dataclasses.replace(base_request(), upsample=UpsampleSpec(DEFAULT_TEMPLATE))
+    upsampled = dataclasses.replace(
+        request, prompt="a longer prompt", prompt_original=request.prompt, upsampled={"reply": "x"}
+    )
+    assert upsampled.content_hash() == request.content_hash()
+    assert upsampled.resolved() == request.resolved()
 
 
 @pytest.mark.parametrize(("name", "value"), CHANGES.items())

@@ -7,6 +7,7 @@ encodes' broadcasts are in the trace. And the job logs a broken team's own messa
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from datetime import timedelta
@@ -89,7 +90,10 @@ def admitting(vae, admissions, monkeypatch, timeout_s: float) -> tuple[list, lis
     def rank_main(group):
         events, failed = [], []
         group.note = events.append
-        teams[group.index] = team = VaeTeam(2, vae, encoding=group, encode_vae=vae)
+        own = copy.deepcopy(
+            vae
+        )  # each rank its own VAE, as each process has: its causal cache is per instance
+        teams[group.index] = team = VaeTeam(2, own, encoding=group, encode_vae=own)
         runner = PassRunner.__new__(PassRunner)
         runner.leads = True
         sp = SeqGroup(2, group.index, 0, group.pg, note=events.append, host=group.pg)
@@ -220,11 +224,12 @@ class WriteRecorder(VaeTeam):
 @pytest.mark.parametrize("video", [SMALL, IMAGE], ids=["whole", "split"])
 def test_each_encode_counter_is_written_by_one_thread_only(vae, video):
     def rank_main(group):
-        team = WriteRecorder(2, vae, encoding=group, decoding=group, encode_vae=vae)
+        vae_of_rank = copy.deepcopy(vae)  # a whole encode writes the instance's causal cache: one per rank
+        team = WriteRecorder(2, vae_of_rank, encoding=group, decoding=group, encode_vae=vae_of_rank)
         team.encoding = SimpleNamespace(share_int=group.share_int)  # an admission group of its own
         team.writes = []
         threading.current_thread().name = "finisher"
-        team._encode_output(team.decoding, vae, video, True)  # a chunk boundary's encode
+        team._encode_output(team.decoding, vae_of_rank, video, True)  # a chunk boundary's encode
         boundary = list(team.writes)
         return boundary, team.encodes
 
