@@ -25,8 +25,9 @@ HELP = {  # docs/running.md lists the same
     "job_start_time_seconds": "When the job started, unix time",
     "running": "1 while the job runs, 0 once it has ended",
     "phase": "1 for the phase the job is in (validating, loading, running, ending), 0 for the others",
-    "rank_seconds_since_progress": "Seconds since the rank last reached the per-pass exchange "
-    "(rank 0 counts 0 while it waits there for the others); before the passes, since the phase began",
+    "rank_seconds_since_progress": "Seconds since the last per-pass exchange, plus how late the rank came "
+    "to the one before it (rank 0 counts 0 while it waits there for the others); before the passes, since "
+    "the phase began",
 }
 
 

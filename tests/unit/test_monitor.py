@@ -216,3 +216,21 @@ def test_a_wait_inside_a_wait_gives_the_outer_one_back():
             assert mark.state.what == "an --sp agreement"
         assert mark.state == outer  # the outer wait is still being waited
     assert mark.state is None
+
+
+def test_each_rank_has_its_own_seconds_since_progress_and_the_late_one_is_named_at_world_4(caplog):
+    """Issue 43: the per-rank waits the exchange already carries say which rank kept the others waiting; its
+    seconds since progress exceed the others' by exactly its lag, and the lag warning names it, not a
+    neighbour."""
+    sync = PassSync(world_size=4)
+    monitor = JobMonitor(sync, timeout_s=20)
+    with caplog.at_level(logging.WARNING, logger="cosmos3_batch"):
+        monitor.on_exchange(exchanged((12.5, 12.0, 0.5, 12.25)))  # rank 2 arrived 12 s after rank 0
+    assert [line.split()[:2] for line in warnings(caplog)] == [["rank", "2"]]
+    sync.last_exchange = time.monotonic() - 3.0
+    since = monitor.figures().since_progress
+    lags = [round(s - since[0], 6) for s in since]
+    assert lags == [0.0, 0.5, 12.0, 0.25] and since[0] >= 3.0
+    sync.waiting_since = time.monotonic()  # rank 0 is back at the exchange: it is not what is awaited
+    since = monitor.figures().since_progress
+    assert since[0] == 0.0 and round(since[2] - since[1], 6) == 11.5

@@ -55,6 +55,7 @@ class JobMonitor:
         self.passes = lambda: (0, 0)  # (passes, UND passes): the runner's, once there is one
         self._lock = threading.Lock()
         self._lagging: set[int] = set()
+        self._late = [0.0] * self.world_size  # per rank: how far it came after the first to an exchange
         self._waited_warned: dict[int, int] = {}  # per wait mark, the episode last named
         self._window = (time.monotonic(), 0)  # (when, outputs done) at the previous write
         self._stop = threading.Event()
@@ -104,8 +105,10 @@ class JobMonitor:
     def _name_laggards(self, waited: tuple[float, ...]) -> None:
         limit = LAG_SHARE * self.timeout_s
         first = max(waited)  # the first to arrive waited longest
-        for rank, wait in enumerate(waited):
-            lag = first - wait
+        late = [first - wait for wait in waited]
+        with self._lock:
+            self._late = late
+        for rank, lag in enumerate(late):
             if lag > limit and rank not in self._lagging:
                 self._lagging.add(rank)
                 log.warning(
@@ -148,13 +151,15 @@ class JobMonitor:
         now = time.monotonic()
         with self._lock:
             snap = Snapshot(**{**self.snap.__dict__, "requests": dict(self.snap.requests)})
+            late = list(self._late)
         snap.passes, snap.und_passes = self.passes()
         if self.sync is None:  # validating, loading: no exchange yet; a phase's length is its progress
             snap.since_progress = [now - self._phase_since] * self.world_size
-        else:
-            peers = now - self.sync.last_exchange
-            mine = 0.0 if self.sync.waiting_since is not None else peers
-            snap.since_progress = [mine] + [peers] * (self.sync.world_size - 1)
+        else:  # each rank's own: the time since the last exchange, plus how late it came to the one before
+            since = now - self.sync.last_exchange
+            snap.since_progress = [since + lag for lag in late]
+            if self.sync.waiting_since is not None:  # rank 0 is at the exchange: it is not what is awaited
+                snap.since_progress[0] = 0.0
         then, before = self._window
         self._window = (now, snap.requests["done"])
         snap.outputs_per_second = (snap.requests["done"] - before) / (now - then) if now > then else 0.0
