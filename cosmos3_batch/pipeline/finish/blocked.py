@@ -8,18 +8,30 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from cosmos3_batch.io import outputs
 from cosmos3_batch.io.metrics import iso_time
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")
-NOT_COMPLETE = "sidecar not complete"  # what io/outputs.is_complete says of a sidecar like a blocked one's
+NOT_COMPLETE = "sidecar not complete"
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A job's outcome that the loop found blocked (an upsampled prompt: passes/chains.py), handed to the
+    finisher in place of a result so its record is written in order with the other reports."""
+
+    reason: str
+    stage: str  # what io/outputs.is_complete says of a sidecar like a blocked one's
 
 
 def record_blocked(writer, r: Request, reason: str, stage: str, key: str, versions: dict, job=None) -> None:
-    """`writer`: the rank's ResultWriter (results.py: `block`); `stage`: "prompt" (before admission) or
-    "video" (at the finish, `job` then says what the request cost); `key`: its output_key."""
+    """`writer`: the rank's ResultWriter (results.py: `block`); `stage`: "prompt" (before admission),
+    "upsampled prompt" (the reasoner's rewrite, before generation), "video" (the decoded frames) or "reply"
+    (a reasoner request's generated text); from the second on, `job` says what the request cost; `key`: its
+    output_key."""
     writer.blocked[r.id] = reason
     log.warning("request %s blocked by the %s guardrail: %s", r.id, stage, reason)
     paths = outputs.paths_for(writer.cfg.out, r.id, r.num_frames, writer.layout)

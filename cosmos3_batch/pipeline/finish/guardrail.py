@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -36,11 +37,15 @@ class Guardrails:
         self.checker = CosmosSafetyChecker()
         self.checker.to(device)
         self.device = device
+        # The loop's thread checks upsampled prompts while the finisher's checks replies: one tokenizer,
+        # which (a Rust one) refuses to be used by two threads at once ("Already borrowed").
+        self._text_lock = threading.Lock()
 
     @torch.no_grad()
     def text(self, prompt: str) -> str | None:
         """None: the prompt passes; else the guardrail's reason (which check, and what it found)."""
-        safe, message = self.checker.text_guardrail.run_safety_check(prompt)
+        with self._text_lock:
+            safe, message = self.checker.text_guardrail.run_safety_check(prompt)
         return None if safe else message
 
     @torch.no_grad()
@@ -66,3 +71,15 @@ def check_result(guard: Guardrails, request_id: str, result: Result, timings: di
 
 
 VIDEO_BLOCKED = "the video guardrail rejected the generated frames"
+
+
+def withhold_unsafe_answers(guard: Guardrails, texts: dict[str, dict]) -> None:
+    """Captions and scores (kinds/chained.py) are reasoner replies, checked as NVIDIA's CLI checks a
+    reasoner's text: an answer the text guardrail blocks keeps its counts but loses its text, its token ids
+    (they decode to the same text) and its score, and says why; the generated media, which passed the video
+    check, is written."""
+    for answer in texts.values():
+        if answer.get("text") is not None and (why := guard.text(answer["text"])) is not None:
+            answer.update(text=None, token_ids=None, blocked=why)
+            if "score" in answer:
+                answer["score"] = None

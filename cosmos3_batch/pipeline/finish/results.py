@@ -25,9 +25,15 @@ from cosmos3_batch.io.space import describe_refusal, disk_errno
 from cosmos3_batch.io.text_outputs import chain_facts, chain_members, reason_facts, write_text
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
-from cosmos3_batch.pipeline.finish.blocked import record_blocked
-from cosmos3_batch.pipeline.finish.guardrail import VIDEO_BLOCKED, Guardrails, check_result
+from cosmos3_batch.pipeline.finish.blocked import Blocked, record_blocked
+from cosmos3_batch.pipeline.finish.guardrail import (
+    VIDEO_BLOCKED,
+    Guardrails,
+    check_result,
+    withhold_unsafe_answers,
+)
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
+from cosmos3_batch.pipeline.kinds.reason import TextResult
 from cosmos3_batch.pipeline.kinds.step_cache.cache import cache_report, forward_counts
 from cosmos3_batch.pipeline.kinds.transfer.controls import controls_record
 from cosmos3_batch.requests.parse import Request
@@ -86,6 +92,8 @@ class ResultWriter:
     def __call__(self, job: RequestJob, result: Result | None, error: str | None) -> None:
         r = job.request
         output = ""
+        if isinstance(result, Blocked):  # found by the loop: nothing was generated
+            return self.block(r, result.reason, result.stage, job)
         if result is not None and self.stop.fault is not None and self.stop.fault.kind == "disk":
             # The job is stopping for a full disk: this decoded request is not written (a rerun generates
             # it), and does not add one more failed write to the log. (After a changed checkpoint, what is
@@ -122,8 +130,17 @@ class ResultWriter:
             log.warning("request %s failed: %s", r.id, error)
         self.row(job, "ok" if error is None else "failed", output, error)
 
-    def _guarded(self, job: RequestJob, result: Result) -> bool:
-        """The video guardrail on the decoded frames (guardrail.py); False: blocked (and recorded)."""
+    def _guarded(self, job: RequestJob, result: Result | TextResult) -> bool:
+        """The guardrails at the finish (guardrail.py): a reasoner's reply through the text check, decoded
+        frames through the video check, their captions' texts through the text check; False: blocked (and
+        recorded)."""
+        if isinstance(result, TextResult):
+            if (why := self.guard.text(result.text)) is not None:
+                self.block(job.request, why, "reply", job)
+                return False
+            return True
+        if result.texts:
+            withhold_unsafe_answers(self.guard, result.texts)
         if (checked := check_result(self.guard, job.request.id, result, job.timings)) is None:
             self.block(job.request, VIDEO_BLOCKED, "video", job)
             return False

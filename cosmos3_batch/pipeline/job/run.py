@@ -310,6 +310,7 @@ def _runner(cfg: RunConfig, loaded: Loaded, writer: ResultWriter, bar: Progress,
         failures=lambda: len(writer.failed),
         cache=cfg.cache,
         upsampled=UpsampleStore(cfg.out, writer.model_identity),  # read only for upsampled requests
+        text_check=None if writer.guard is None else writer.guard.text,  # upsampled prompts, where guarded
     )
 
 

@@ -13,9 +13,11 @@ on it (a chain's passes are its jobs' passes, counted in the exchange as any job
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from cosmos3_batch.pipeline.finish.blocked import Blocked
 from cosmos3_batch.pipeline.kinds.chained import CaptionJob, UpsampleJob
 from cosmos3_batch.requests.chain import skip_reason
 
@@ -37,10 +39,19 @@ class Next:
 
 
 class Chains:
-    def __init__(self, store: UpsampleStore | None, finisher: Finisher, gap: int):
+    def __init__(
+        self,
+        store: UpsampleStore | None,
+        finisher: Finisher,
+        gap: int,
+        text_check: Callable[[str], str | None] | None = None,
+    ):
         self.store = store  # None: nothing is recorded (unit tests of the loop alone)
         self.finisher = finisher
         self.gap = gap
+        # The text guardrail (finish/guardrail.py Guardrails.text) where the job runs them: an upsampled
+        # prompt is a prompt the reference would be handed, so it is checked before it is generated.
+        self.text_check = text_check
 
     def resolve(self, r: Request) -> Request:
         """The request as admitted: upsampled already (recorded, or exempt), else as it is."""
@@ -57,6 +68,13 @@ class Chains:
             )
         return r
 
+    def _unsafe(self, request: Request) -> str | None:
+        """Why the guardrail blocks this request's upsampled prompt (None: it passes, or is the file's own,
+        checked before the first pass, or the job runs no guardrails)."""
+        if self.text_check is None or request.upsampled.get("status") != "upsampled":
+            return None
+        return self.text_check(request.prompt)
+
     @staticmethod
     def upsamples(r: Request) -> bool:
         return r.upsample is not None and r.upsampled is None
@@ -66,6 +84,9 @@ class Chains:
             request, error = job.generation()
             if request is None:
                 return Next(error=error, chained=True)
+            if (why := self._unsafe(request)) is not None:  # recorded as blocked, in order with the writes
+                self.finisher.done(job, Blocked(why, "upsampled prompt"))
+                return Next(chained=True)
             if self.store is not None:  # before it generates: a kill from here on reuses this prompt
                 rid, original = request.id, request.prompt_original
                 self.store.write(rid, request.content_hash(), original, request.prompt, request.upsampled)

@@ -92,6 +92,7 @@ class PassRunner:
         failures: Callable[[], int] | None = None,
         cache: SeaSettings | None = None,
         upsampled: UpsampleStore | None = None,
+        text_check: Callable[[str], str | None] | None = None,
     ):
         if max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {max_active}")
@@ -146,7 +147,7 @@ class PassRunner:
         self.ahead = AheadOfAdmission(ctx.helper, ctx.split.dtype)  # Transfer inputs, read off the loop
         gap = self.rule.chunk_gap
         # Reasoner stages chained to generation (passes/chains.py); `_requeue`: just upsampled, to generate.
-        self.chains, self._requeue = Chains(upsampled, self.finisher, gap), []
+        self.chains, self._requeue = Chains(upsampled, self.finisher, gap, text_check), []
         self.admission = Admission(ctx, self.und_cache, sp, gap, self.finisher.hand_off, self.leads, cache,
                                    self.team, self.ahead, self.chains.resolve)  # fmt: skip
 
