@@ -38,10 +38,12 @@ elif [ ! -f "$stamp" ]; then
   touch "$stamp"
   say "done: $VENV"
 fi
-if [ "${1:-}" = "guardrails" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
+# COSMOS3_BATCH_NO_APT=1: the pip part only (test.sh sets up this virtualenv in the background while tests
+# install their own Debian packages; it sources this again for the tier, which then installs these).
+if [ "${1:-}" = "guardrails" ] && [ -z "${COSMOS3_BATCH_NO_APT:-}" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
   # The guardrail tests' blocklist lemmatizes with NLTK's WordNet: Debian's WordNet 3.0 files (tests/guardrails).
   say "installing Debian's wordnet-base and wordnet-sense-index (WordNet 3.0 data files)"
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-  $sudo apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null; }
+  $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q wordnet-base wordnet-sense-index >/dev/null || { $sudo apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null && $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q wordnet-base wordnet-sense-index >/dev/null; }
 fi
 cd "$ROOT"

@@ -120,7 +120,7 @@ def _apt(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
         return subprocess.run(
-            ["apt-get", *args],
+            ["apt-get", "-o", "DPkg::Lock::Timeout=300", *args],  # another install (a test's) may hold it
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # the reason apt gives up is on stderr

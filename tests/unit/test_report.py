@@ -40,9 +40,10 @@ def browser() -> str:
     if Path(path).exists():
         return path
     env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=300"]  # the Slurm tier may be installing at the same time
     for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", BROWSER],
+        [*apt, "update", "-qq"],
+        [*apt, "install", "-y", "-qq", "--no-install-recommends", BROWSER],
     ):
         if subprocess.run(cmd, capture_output=True, env=env, timeout=600).returncode != 0:
             pytest.skip(f"cannot install {BROWSER} with apt here (not root, or no package mirror)")
