@@ -171,13 +171,15 @@ class LayerOffload:
 
     def begin_pass(self, order: Sequence[int], prefetch: Sequence[int] = ()) -> None:
         """Start a pass over `order`. `prefetch`: parts the next pass will begin with in their lane (fetched
-        as soon as a slot frees, possibly before this pass ends); the next `order` must start with them."""
+        as soon as a slot frees, possibly before this pass ends); the next `order` that has parts of that lane
+        must start with them. A pass with none of a lane's parts (a UND-only pass) leaves that lane's
+        prefetched parts in their slots for a later pass; its own `prefetch` must not ask for them again."""
         if self._pos != len(self._order):
             raise RuntimeError("begin_pass before the previous pass acquired all its parts")
         ahead = {lane: self.scheduler.outstanding(lane) for lane in self.scheduler.slot_lane}
         for lane, parts in ahead.items():
             in_order = [p for p in order if self.scheduler.lane_of[p] == lane][: len(parts)]
-            if in_order != parts:
+            if in_order != parts and (in_order or set(parts) & set(prefetch)):
                 raise RuntimeError(f"lane '{lane}': prefetched parts {parts} are not where this pass starts")
         early = {p for parts in ahead.values() for p in parts}
         self._order, self._pos = list(order), 0
@@ -195,6 +197,9 @@ class LayerOffload:
             raise RuntimeError(
                 f"part {index} acquired out of order (pass order {self._order}, at {self._pos})"
             )
+        if not self.scheduler.issued(index) and (held := self.scheduler.free_held()) is not None:
+            self.backend.release(held)  # its lane's one slot held the part before it (slots.py free_held)
+            self._pump()
         slot, freed = self.scheduler.acquire(index)
         if freed is not None:
             # Everything that reads the freed slot (the part before this one) has been issued on the

@@ -85,6 +85,16 @@ class SlotScheduler:
         """The last part's compute has been issued: its slot is free. Returns that slot (or None)."""
         return self._release_held()
 
+    def issued(self, part: int) -> bool:
+        return part in self._pending
+
+    def free_held(self) -> int | None:
+        """Before acquiring a part not issued yet: the slot of the part being computed is freed now (its
+        compute has been issued), so that `pump` can fetch the part into it. What a one-slot lane walked
+        alone needs (a UND-only pass: U_l+1 can only go into U_l's slot); the part is then fetched after U_l
+        computes, as it is on a pass with GEN parts (there U_l's slot frees when G_l is acquired)."""
+        return self._release_held()
+
     def _release_held(self) -> int | None:
         freed, self._held = self._held, None
         if freed is not None:

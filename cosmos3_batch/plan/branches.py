@@ -124,7 +124,9 @@ def sim_requests(request, chunk_gap: int) -> list[SimRequest]:
     caption in the generation's own slot: the passes planned for a chained job are close to the run's, not
     equal (the tokens, and so the UND bytes per token, are the same planned bounds)."""
     up, after = chain_tokens(request)
-    stand_ins = [SimRequest(f"{request.id}:upsample", up, 1, decodes=True)] if up else []
+    # Its upsampling is admitted as the generation request queued: GEN parts on that pass (runner.py).
+    upsampling = SimRequest(f"{request.id}:upsample", up, 1, decodes=True, gen_at_admission=True)
+    stand_ins = [upsampling] if up else []
     stand_ins.append(sim_request(request, chunk_gap))
     return stand_ins + ([SimRequest(f"{request.id}:captions", after, 1, decodes=True)] if after else [])
 

@@ -54,16 +54,17 @@ def decoded_frames(r: Request) -> int:
     return r.num_frames if transfer is None else transfer.chunk_frames
 
 
-def _largest(requests: list[Request]) -> Request:
-    return max(requests, key=lambda r: (r.width * r.height * decoded_frames(r), r.id))
+def _largest(requests: list[Request]) -> Request | None:
+    """The largest output the VAE decodes; None when none is decoded (a reasoner request writes text)."""
+    decoded = [r for r in requests if getattr(r, "reason", None) is None]
+    return max(decoded, key=lambda r: (r.width * r.height * decoded_frames(r), r.id), default=None)
 
 
 def decode_bytes(shape: ModelShape, requests: list[Request], tiled: bool, parts: int = 1) -> int:
     """The finisher's peak for the largest output (one decode at a time, on the compute device), on the
     busiest rank of a --vae-patch-parallel-size group of `parts`."""
-    if not shape.vae_config_json or not requests:
+    if not shape.vae_config_json or (big := _largest(requests)) is None:
         return 0
-    big = _largest(requests)
     return decode_peak_bytes(
         shape.vae_config_json, big.width, big.height, decoded_frames(big), shape.vae_dtype, tiled, parts
     )
@@ -74,9 +75,8 @@ def decode_seconds(
 ) -> float:
     """Roofline seconds of the largest output's decode on the busiest rank of a group of `parts`: its FLOPs
     at `tflops`, plus the decoded frames of the other shards gathered at `gbps` (the halos are rows)."""
-    if not shape.vae_config_json or not requests or tflops <= 0:
+    if not shape.vae_config_json or tflops <= 0 or (big := _largest(requests)) is None:
         return 0.0
-    big = _largest(requests)
     frames = decoded_frames(big)
     flops = decode_flops(shape.vae_config_json, big.width, big.height, frames, shape.vae_dtype, parts)
     output = 3 * frames * big.width * big.height * shape.vae_dtype.itemsize

@@ -3,9 +3,9 @@
 Pure and torch-free: the runner and the pass simulator step through this very code, which is why the
 simulator's counts equal a real run's exactly.
 
-A UND pass moves every layer's UND half as well as its GEN half (about twice a GEN-only pass for
-Cosmos3's Mixture-of-Transformers layers). Fetching them whenever any rank admits a request makes
-most passes UND passes at scale, so admissions are coalesced:
+A UND pass moves every layer's UND half as well as its GEN half when some request has GEN work
+(`gen_pass`; about twice a GEN-only pass for Cosmos3's Mixture-of-Transformers layers). Fetching them
+whenever any rank admits a request makes most passes UND passes at scale, so admissions are coalesced:
 
 * Each rank keeps a short *ready* list of requests whose UND K/V are already cached (prefilled
   ahead). A slot that frees is refilled from it at once, with no UND fetch.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,14 @@ def und_pass(rule: PrefillRule, world_slots: int, active: int, starved: int, ove
     return active == 0 or overdue > 0 or starved >= math.ceil(rule.free_share * world_slots)
 
 
+def gen_pass(und: bool, computing: int, admits_gen: int) -> bool:
+    """The world's decision from the all-reduced sums: fetch the GEN parts this pass? Only when some branch
+    active before admissions runs the decoder stack (a reasoner's has no GEN branch, a reused one runs none),
+    or a UND pass admits a request with GEN work (its first step computes). A reasoner-only pass fetches the
+    UND parts alone; a pass with neither fetches nothing and walks no layer (--cache sea's skipped pass)."""
+    return computing > 0 or (und and admits_gen > 0)
+
+
 class RankSlots:
     """One rank's queue and ready list: which requests to activate, and when to prefill which.
 
@@ -87,6 +96,10 @@ class RankSlots:
         self.waited = self.waited + 1 if starved else 0
         overdue = int(starved > 0 and self.waited > self.rule.max_wait)
         return SlotReport(starved, overdue, len(self.queue) + len(self.ready))
+
+    def admitting(self, active: int) -> list:
+        """Before the exchange: the requests `admissions` takes into free slots if this is a UND pass."""
+        return list(islice(self.queue, max(self.max_active - active, 0)))
 
     def admissions(self, active: int) -> tuple[list, list]:
         """On a UND pass: (requests admitted into free slots, requests prefilled into the ready list)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 
-from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, und_pass
+from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, gen_pass, und_pass
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,11 @@ class SimRequest:
     # reused (plan/cache.step_decisions of a sidecar's decisions); "" = every step computes.
     decisions: str = ""
     # A reasoner request (DESIGN.md §21): every pass it is active on is a UND pass (its needs-UND flag); its
-    # steps are its generated tokens (planned: max_new_tokens; EOS may end it sooner).
+    # steps are its generated tokens (planned: max_new_tokens; EOS may end it sooner). It has no GEN work.
     decodes: bool = False
+    # Counted as GEN work on the pass that admits it although it decodes: a request to be upsampled, which
+    # the runner cannot tell from a generation request before admission reads its record (runner.py).
+    gen_at_admission: bool = False
 
     def __post_init__(self) -> None:
         assert not self.decisions or len(self.decisions) == self.steps, (self.id, self.decisions)
@@ -48,9 +51,10 @@ class Simulation:
     bytes_per_output: float  # all ranks' weight bytes / outputs
     und_byte_share: float  # share of the weight bytes that were UND halves
     und_sequence_runs: int  # branches prefilled (each runs the UND half of every layer once)
-    skipped_passes: int = 0  # --cache sea, replayed decisions: passes no branch anywhere computed (no fetch)
+    skipped_passes: int = 0  # passes that fetched nothing: no GEN work (--cache sea: all reused) and no UND
     decode_passes: int = 0  # passes on which some reasoner request was active (each a UND pass)
     decode_und_bytes: int = 0  # all ranks' UND weight bytes moved on those passes
+    gen_passes: int = 0  # passes that fetched the GEN parts: some request computed its step's GEN branches
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,20 +101,22 @@ class _Totals:
         """1 if the oldest starved slot, waiting `now - since + 1` passes, is past max_wait."""
         return int(bool(self.starving_since) and now - self.starving_since[0] + 1 > max_wait)
 
-    def admit(self, slots: list[RankSlots], now: int) -> tuple[int, int]:
+    def admit(self, slots: list[RankSlots], now: int) -> tuple[int, int, int]:
         """A UND pass: every rank admits into its free slots (the rest of the prefilled become ready), so
-        none starves after it. Returns (requests admitted now, branches prefilled)."""
-        admitted = branches = 0
+        none starves after it. Returns (requests admitted now, branches prefilled, of the admitted those with
+        GEN work on this pass)."""
+        admitted = branches = generating = 0
         for rank, s in enumerate(slots):
             started, later = s.admissions(self.active[rank])
             self.activate(rank, started, now)
             s.ready.extend(later)
             admitted += len(started)
             branches += sum(r.branches for r in started) + sum(r.branches for r in later)
+            generating += sum(not r.decodes or r.gen_at_admission for r in started)
         self.starved = [0] * len(self.starved)  # every free slot was filled, or the queue ran dry
         self.total_starved = 0
         self.starving_since.clear()
-        return admitted, branches
+        return admitted, branches, generating
 
     def finish(self, now: int) -> list[int]:
         """The ranks (once per request) whose requests took their last step on pass `now`."""
@@ -145,7 +151,7 @@ def simulate(
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
     totals = _Totals(world, max_active)
     pending = sum(len(q) for q in queues)
-    passes = und_passes = prefilled = outputs = skipped = decoding = 0
+    passes = und_passes = gen_passes = prefilled = outputs = skipped = decoding = 0
     touched = list(range(world))  # ranks whose requests finished on the pass before (at first: all)
     while True:
         for rank in touched:  # their freed slots take prefilled requests, or starve
@@ -158,22 +164,26 @@ def simulate(
         overdue = totals.overdue(passes, rule.max_wait)
         und = und_pass(rule, world * max_active, totals.total_active, totals.total_starved, overdue)
         und = und or (not und_cache and totals.total_active > 0) or totals.decoding > 0
-        # The runner's skip: no UND pass, something active, and every active request reuses on this pass.
-        reusing = totals.reusing.pop(passes, 0)
-        skipped += not und and totals.total_active > 0 and reusing == totals.total_active
+        # The runner's GEN rule: some request active before admissions computes its step (it neither decodes
+        # nor reuses on this pass), or, on a UND pass, some rank admits a request with GEN work.
+        computing = totals.total_active - totals.decoding - totals.reusing.pop(passes, 0)
+        generating = 0
         if und:
-            admitted, branches = totals.admit(slots, passes)
+            admitted, branches, generating = totals.admit(slots, passes)
             pending -= admitted
             prefilled += branches
+        gen = gen_pass(und, computing, generating)
+        skipped += not und and not gen  # no GEN work and no UND pass: nothing fetched, no layer walked
         decoding += totals.decoding > 0  # after admissions: a reasoner admitted now decodes on this pass
         passes += 1
         und_passes += und
+        gen_passes += gen
         touched = totals.finish(passes - 1)
         outputs += len(touched)
         touched = sorted(set(touched))
     if not und_cache:  # the ablation recomputes every active branch's UND half every step
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
-    per_rank = (passes - skipped) * part_bytes.gen + und_passes * part_bytes.und
+    per_rank = gen_passes * part_bytes.gen + und_passes * part_bytes.und
     moved = per_rank * world * ranks_per_queue
     return Simulation(
         passes=passes,
@@ -187,4 +197,5 @@ def simulate(
         skipped_passes=skipped,
         decode_passes=decoding,
         decode_und_bytes=decoding * part_bytes.und * world * ranks_per_queue,
+        gen_passes=gen_passes,
     )

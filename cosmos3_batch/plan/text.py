@@ -84,8 +84,9 @@ def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, wit
         f"--prefill-free-share {rule.free_share:g} --prefill-max-wait {rule.max_wait} "
         f"--prefill-lookahead {rule.lookahead}, --max-active {max_active}"
     )
+    fetched = f"{sim.und_passes:,} fetching UND parts, {sim.gen_passes:,} GEN parts"
     lines = [
-        f"simulated passes        {sim.passes:,} ({sim.und_passes:,} UND passes; {rule_text})",
+        f"simulated passes        {sim.passes:,} ({fetched}; {rule_text})",
         f"mean slot occupancy     {sim.occupancy:.1%}",
     ]
     if with_bytes:

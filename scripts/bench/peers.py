@@ -69,7 +69,7 @@ class Fsdp2Weights:
         self.transformer.forward = lambda: runner.run(queue)
         self.transformer()  # FSDP2's root pre-forward: lazy init, gathers the non-layer weights once
 
-    def begin_pass(self, und: bool) -> None:
+    def begin_pass(self, und: bool, gen: bool = True) -> None:
         self._current = None
 
     def layer(self, index: int, part: str):
@@ -144,7 +144,7 @@ class GroupOffloadWeights:
     def run(self, runner, queue) -> None:
         runner.run(queue)
 
-    def begin_pass(self, und: bool) -> None:
+    def begin_pass(self, und: bool, gen: bool = True) -> None:
         self._current = None
 
     def layer(self, index: int, part: str):
@@ -182,7 +182,7 @@ class DriverControl:
     def run(self, runner, queue) -> None:
         runner.run(queue)
 
-    def begin_pass(self, und: bool) -> None:
+    def begin_pass(self, und: bool, gen: bool = True) -> None:
         pass
 
     def layer(self, index: int, part: str):

@@ -1,7 +1,7 @@
 """Reasoner requests under real `torchrun` jobs (gloo, CPU; issue 44 item 4): at world 2, with allgather and
 with local offload, and with requests prefilled ahead of their slot, token ids equal transformers' `generate`
 (run here at the one thread torchrun gives each rank), beside a T2I request, with every rank issuing the same
-collectives."""
+collectives; GEN parts are fetched only on the T2I request's passes, and `plan` predicts every count."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
+from cosmos3_batch.plan.prefill import PrefillRule
 from tests.conftest import write_jsonl
 from tests.dist.jobs import torchrun_jobs
-from tests.dist.test_runs import assert_lockstep
+from tests.dist.test_runs import assert_lockstep, assert_simulated, layer_bytes
 from tests.unit.test_reasoner_fidelity import T2I, _expected, _rows
 
 pytestmark = pytest.mark.dist
@@ -41,6 +42,7 @@ def test_reasoner_under_torchrun_world_2_equals_generate(tiny_reasoner_ckpt, con
         expected = {row["id"]: _expected(tiny_reasoner_ckpt, row) for row in rows}
     finally:
         torch.set_num_threads(threads)
+    sizes = layer_bytes(tiny_reasoner_ckpt, 2)
     for number, ((mode, *_), code) in enumerate(zip(CONFIGS, codes, strict=True)):
         out = tmp_path / f"{number}-{mode}"
         assert code == 0, (mode, (tmp_path / "launch" / "stderr.txt").read_text()[-3000:])
@@ -51,3 +53,30 @@ def test_reasoner_under_torchrun_world_2_equals_generate(tiny_reasoner_ckpt, con
         summary = json.loads((out / "summary.json").read_text())
         assert summary["generated_ok"] == len(rows) + 1 and summary["failed"] == []
         assert_lockstep(summary, 2)
+        check_fetches(summary, number, sizes, tiny_reasoner_ckpt, out, rows, tmp_path)
+
+
+def check_fetches(summary: dict, number: int, sizes: dict, ckpt, out, rows: list[dict], tmp_path) -> None:
+    """GEN parts are fetched on exactly the passes the T2I request steps on (its 3 steps), on every rank: the
+    reasoner-only passes move UND bytes alone (none with --und-resident); `plan` predicts the same counts and
+    bytes, each reasoner's budget its tokens in the run (EOS may end one sooner)."""
+    mode, max_active, ahead, sp = CONFIGS[number]
+    und_resident = "--und-resident" in EXTRA.get(number, [])
+    others = {half: sizes[f"{half}_full"] - sizes[f"{half}_shard"] for half in ("gen", "und")}
+    for rank in summary["ranks"]:
+        gen, und = rank["gen_passes"], 0 if und_resident else rank["und_passes"]
+        assert gen == T2I["num_inference_steps"] < rank["und_passes"] <= rank["passes"]
+        assert rank["fetches"] == 2 * (gen + und)  # 2 layers
+        if mode == "allgather":
+            assert rank["h2d_bytes"] == gen * sizes["gen_shard"] + und * sizes["und_shard"]
+            assert rank["gathered_bytes"] == gen * others["gen"] + und * others["und"]
+    planned = [
+        {**row, "reason": {**row["reason"], "max_new_tokens": reason_tokens(out, row["id"])}} for row in rows
+    ]
+    prompts = write_jsonl(tmp_path / f"planned-{number}.jsonl", [*planned, T2I])
+    rule = PrefillRule(lookahead=ahead)
+    assert_simulated(summary, prompts, ckpt, mode, max_active, rule, sp, tuple(EXTRA.get(number, [])))
+
+
+def reason_tokens(out, rid: str) -> int:
+    return json.loads((out / f"{rid}.json").read_text())["reason"]["generated_tokens"]

@@ -77,12 +77,20 @@ def layer_bytes(tiny_ckpt: Path, world_size: int) -> dict[str, int]:
 
 
 def assert_simulated(
-    summary: dict, prompts: Path, tiny_ckpt: Path, mode: str, max_active: int, rule: PrefillRule, sp: int = 1
+    summary: dict,
+    prompts: Path,
+    tiny_ckpt: Path,
+    mode: str,
+    max_active: int,
+    rule: PrefillRule,
+    sp: int = 1,
+    extra: tuple[str, ...] = (),
 ) -> None:
-    """`plan --json`'s pass simulator predicted this run's passes, UND passes, bytes and occupancy exactly."""
+    """`plan --json`'s pass simulator predicted this run's passes, UND passes, GEN passes, bytes and
+    occupancy exactly. `extra`: more of the run's flags that `plan` takes too (--und-resident)."""
     world = len(summary["ranks"])
     args = ["plan", str(prompts), "--model", str(tiny_ckpt), "--nproc", str(world), "--offload", mode]
-    args += ["--sp", str(sp)]
+    args += ["--sp", str(sp), *extra]
     args += ["--max-active", str(max_active), "--prefill-free-share", str(rule.free_share)]
     args += ["--prefill-max-wait", str(rule.max_wait), "--prefill-lookahead", str(rule.lookahead), "--json"]
     args += ["--chunk-gap-passes", str(rule.chunk_gap)]
@@ -92,6 +100,7 @@ def assert_simulated(
     ranks = summary["ranks"]
     assert (sim["passes"], sim["und_passes"]) == (ranks[0]["passes"], ranks[0]["und_passes"])
     assert isinstance(sim["passes"], int) and isinstance(sim["und_passes"], int)
+    assert [r["gen_passes"] for r in ranks] == [sim["gen_passes"]] * world
     assert [r["h2d_bytes"] + r["gathered_bytes"] for r in ranks] == [sim["bytes_per_rank"]] * world
     active = sum(r["active_sum"] for r in ranks) // sp  # an --sp group's requests count once
     assert active == round(sim["occupancy"] * sim["passes"] * (world // sp) * max_active)

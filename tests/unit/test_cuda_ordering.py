@@ -299,6 +299,29 @@ def test_next_pass_first_gen_part_is_in_flight_before_the_pass_finishes(tmp_path
     assert [run_pass(engine, fake, GEN_PASS).fetches for _ in range(2)] == [LAYERS, LAYERS]
 
 
+def test_a_und_only_pass_leaves_the_prefetched_gen_part_for_the_next_gen_pass(tmp_path, monkeypatch):
+    """A pass without GEN work (reasoners alone) fetches the UND parts only and prefetches nothing; the GEN
+    part 0 prefetched by the GEN pass before it stays in its slot, fetched once, for the next GEN pass."""
+    engine, fake = make_engine(tmp_path, monkeypatch)
+    und_only = [2 * layer for layer in range(LAYERS)]
+    run_pass(engine, fake, GEN_PASS)
+    start = len(fake.log)
+    counters = [run_pass(engine, fake, und_only, prefetch=()) for _ in range(2)]
+    copies = [e[2] for e in fake.log[start:] if e[0] == "copy"]
+    assert copies == und_only * 2 and [c.fetches for c in counters] == [LAYERS, LAYERS]
+    assert engine.scheduler.outstanding("gen") == [1]
+    with pytest.raises(RuntimeError, match="prefetched parts \\[1\\] are not where this pass starts"):
+        engine.begin_pass(und_only, prefetch=(1,))  # a second fetch of the part already in its slot
+    start = len(fake.log)
+    assert run_pass(engine, fake, GEN_PASS).fetches == LAYERS
+    assert [e[2] for e in fake.log[start:] if e[0] == "copy"].count(1) == 1  # the next pass's, not its own
+    (tmp_path / "fresh").mkdir()
+    fresh, fake = make_engine(tmp_path / "fresh", monkeypatch)
+    for _ in range(2):  # a job of reasoners alone: no GEN part is ever fetched
+        run_pass(fresh, fake, und_only, prefetch=())
+    assert all(e[2] % 2 == 0 for e in fake.log if e[0] == "copy")
+
+
 def test_the_gathers_are_issued_in_an_order_set_by_the_calls_alone(tmp_path, monkeypatch):
     # Collectives must be issued in the same order on every rank, however fast each rank's device is:
     # the engine never decides anything from an event's state.

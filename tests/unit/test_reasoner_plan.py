@@ -3,6 +3,7 @@ generated token, every pass one is active on fetching the UND parts, beside gene
 
 from __future__ import annotations
 
+import csv
 import json
 
 from typer.testing import CliRunner
@@ -11,7 +12,7 @@ from cosmos3_batch.cli import app
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.simulator import SimRequest, simulate
 from tests.conftest import write_jsonl
-from tests.dist.test_runs import assert_simulated
+from tests.dist.test_runs import assert_simulated, layer_bytes
 
 T2V = {"prompt": "a ball rolls", "size": "32x32", "num_frames": 5, "num_inference_steps": 4}
 
@@ -53,6 +54,66 @@ def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_
     budgets = [row["reason"]["max_new_tokens"] for row in rows[1:3]]
     assert max(budgets) <= work["decode_passes"] == sim["decode_passes"] <= sum(budgets)
     assert work["und_bytes_per_token"] == sim["decode_und_bytes"] / tokens > 0
+
+
+def _timeline(out) -> list[dict]:
+    with open(out / ".cosmos3_batch" / "passes.rank0.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _run_planned(ckpt, rows: list[dict], folder, max_active: int) -> tuple[dict, list[dict]]:
+    """Run the requests, then hold `plan`'s simulator to the run with each reasoner's budget its tokens in the
+    run (EOS may end one sooner): (rank 0's report, its pass timeline)."""
+    prompts = write_jsonl(folder / "p.jsonl", rows)
+    out = folder / "out"
+    args = ["run", str(prompts), "--model", str(ckpt), "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, [*args, "--max-active", str(max_active)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    planned = [dict(row) for row in rows]
+    for row in planned:
+        if "reason" in row:
+            sidecar = json.loads((out / f"{row['id']}.json").read_text())
+            row["reason"] = {**row["reason"], "max_new_tokens": sidecar["reason"]["generated_tokens"]}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == []
+    assert_simulated(summary, write_jsonl(folder / "planned.jsonl", planned), ckpt, "allgather", max_active,
+                     PrefillRule())  # fmt: skip
+    return summary["ranks"][0], _timeline(out)
+
+
+def test_a_reasoner_only_job_moves_no_gen_byte(tiny_reasoner_ckpt, cond_image, tmp_path):
+    """No rank has GEN work on any pass: every pass fetches the UND parts alone, and the bytes moved are the
+    UND parts' alone (0 GEN bytes host->device and gathered), as `plan` predicts."""
+    rows = [
+        {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 6}},
+        {"id": "r2", "prompt": "What is it?", "image": str(cond_image), "reason": {"max_new_tokens": 4}},
+    ]
+    rank, timeline = _run_planned(tiny_reasoner_ckpt, rows, tmp_path, 2)
+    sizes = layer_bytes(tiny_reasoner_ckpt, 1)
+    assert rank["gen_passes"] == 0 and rank["und_passes"] == rank["passes"] > 0
+    assert rank["h2d_bytes"] == rank["und_passes"] * sizes["und_shard"] and rank["gathered_bytes"] == 0
+    assert rank["fetches"] == 2 * rank["und_passes"]  # 2 layers' UND parts, no GEN part
+    assert [(p["und"], p["gen"]) for p in timeline] == [("True", "False")] * rank["passes"]
+
+
+def test_a_mixed_job_fetches_gen_parts_while_its_t2i_request_is_active(tiny_reasoner_ckpt, tmp_path):
+    """One T2I request (3 steps) beside reasoners with more tokens: the GEN parts are fetched on exactly the
+    passes on which the T2I request takes a step (all admitted on pass 0: passes 0-2), the UND parts on every
+    pass; the reasoner-only tail moves UND bytes alone; `plan` predicts the same counts and bytes."""
+    rows = [
+        {"id": "t2i", **T2V, "num_frames": 1, "num_inference_steps": 3},
+        {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 8}},
+        {"id": "r2", "prompt": "What is it?", "reason": {"max_new_tokens": 7}},
+    ]
+    rank, timeline = _run_planned(tiny_reasoner_ckpt, rows, tmp_path, 3)
+    assert rank["passes"] > 3  # a tail of reasoner-only passes
+    assert [p["gen"] for p in timeline] == ["True"] * 3 + ["False"] * (rank["passes"] - 3)
+    assert [p["und"] for p in timeline] == ["True"] * rank["passes"]
+    sizes = layer_bytes(tiny_reasoner_ckpt, 1)
+    assert rank["gen_passes"] == 3 and rank["und_passes"] == rank["passes"]
+    assert rank["h2d_bytes"] == 3 * sizes["gen_shard"] + rank["passes"] * sizes["und_shard"]
+    tail = [int(p["weight_bytes"]) for p in timeline[3:]]
+    assert tail == [sizes["und_shard"]] * (rank["passes"] - 3)
 
 
 def test_und_resident_streams_only_gen_parts_and_plan_counts_the_same(tiny_reasoner_ckpt, tmp_path):

@@ -80,30 +80,34 @@ def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = Tr
     world = len(queues)
     rule = rule if und_cache else PrefillRule(rule.free_share, rule.max_wait, lookahead=0)
     slots = [RankSlots(deque(q), max_active, rule) for q in queues]
-    active: list[list[list]] = [[] for _ in queues]
-    passes = und_passes = active_sum = prefilled = outputs = skipped = 0
+    active: list[list[list]] = [[] for _ in queues]  # per rank: [steps left, request]
+    passes = und_passes = gen_passes = active_sum = prefilled = outputs = skipped = decode_passes = 0
     while True:
         for rank, s in enumerate(slots):
             active[rank] += s.take_ready(len(active[rank]))
         reports = [s.report(len(a)) for s, a in zip(slots, active, strict=True)]
-        total_active = sum(len(a) for a in active)
-        if total_active == 0 and sum(r.pending for r in reports) == 0:
+        jobs = [job for a in active for job in a]
+        if not jobs and sum(r.pending for r in reports) == 0:
             break
+        # What the exchange carries: a reasoner decoding (needs UND), branches that compute (a reasoner has
+        # none; --cache sea: a step all of whose branches reuse has none), requests with GEN work admitted.
+        decoding = any(r.decodes for _, r in jobs)
+        computing = sum(not r.decodes and (not r.decisions or r.decisions[-left] == "C") for left, r in jobs)
+        heads = [r for s, a in zip(slots, active, strict=True) for r in s.admitting(len(a))]
+        admits = sum(not r.decodes or r.gen_at_admission for r in heads)
         starved, overdue = sum(r.starved for r in reports), sum(r.overdue for r in reports)
-        und = und_pass(rule, world * max_active, total_active, starved, overdue)
-        und = und or (not und_cache and total_active > 0)
-        # --cache sea: a pass on which every request active before admissions reuses fetches nothing.
-        reusing = all(job[2][-job[0]] == "R" for a in active for job in a if job[2])
-        reusing = reusing and all(job[2] for a in active for job in a)
-        skipped += not und and total_active > 0 and reusing
+        und = und_pass(rule, world * max_active, len(jobs), starved, overdue)
+        und = und or (not und_cache and len(jobs) > 0) or decoding
         if und:
             for rank, s in enumerate(slots):
                 now, later = s.admissions(len(active[rank]))
-                active[rank] += [[r.steps, r.branches, r.decisions] for r in now]
-                s.ready.extend([r.steps, r.branches, r.decisions] for r in later)
+                active[rank] += [[r.steps, r] for r in now]
+                s.ready.extend([r.steps, r] for r in later)
                 prefilled += sum(r.branches for r in now) + sum(r.branches for r in later)
-        passes += 1
-        und_passes += und
+        gen = computing > 0 or (und and admits > 0)
+        passes, und_passes, gen_passes = passes + 1, und_passes + und, gen_passes + gen
+        skipped += not und and not gen
+        decode_passes += any(r.decodes for a in active for _, r in a)
         for rank in range(world):
             active_sum += len(active[rank])
             for job in active[rank]:
@@ -112,17 +116,22 @@ def replay(queues, max_active, rule, part_bytes: PartBytes, und_cache: bool = Tr
             active[rank] = [job for job in active[rank] if job[0] > 0]
     if not und_cache:
         prefilled = sum(r.steps * r.branches for q in queues for r in q)
-    per_rank = (passes - skipped) * part_bytes.gen + und_passes * part_bytes.und
+    per_rank = gen_passes * part_bytes.gen + und_passes * part_bytes.und
     occupancy = active_sum / (passes * world * max_active) if passes else 0.0
     share = und_passes * part_bytes.und / per_rank if per_rank else 0.0
     per_output = per_rank * world / outputs if outputs else 0.0
-    return Simulation(passes, und_passes, outputs, occupancy, per_rank, per_output, share, prefilled, skipped)
+    decode_bytes = decode_passes * part_bytes.und * world
+    return Simulation(passes, und_passes, outputs, occupancy, per_rank, per_output, share, prefilled, skipped,
+                      decode_passes, decode_bytes, gen_passes)  # fmt: skip
 
 
-def random_request(rng, rid: str, cached: bool) -> SimRequest:
+def random_request(rng, rid: str, cached: bool, reasoners: bool = False) -> SimRequest:
     """Steps and branches at random; with `cached`, replayed --cache sea decisions: the first step computes
-    (SeaCache forces it), the others reuse often, so that whole passes reuse on some seeds."""
+    (SeaCache forces it), the others reuse often, so that whole passes reuse on some seeds. With `reasoners`,
+    one request in three decodes (no GEN work; some counted as GEN work when admitted, as an upsampling)."""
     steps = rng.randint(1, 12)
+    if reasoners and rng.random() < 1 / 3:
+        return SimRequest(rid, steps, 1, decodes=True, gen_at_admission=rng.random() < 0.2)
     decisions = "C" + "".join(rng.choice("CRRR") for _ in range(steps - 1)) if cached else ""
     return SimRequest(rid, steps, rng.choice([1, 2]), decisions)
 
@@ -134,7 +143,8 @@ def test_the_event_driven_simulator_equals_the_pass_by_pass_replay(seed):
     rng = random.Random(seed)
     world, max_active = rng.choice([1, 2, 3, 7, 16]), rng.choice([1, 2, 4])
     rule = PrefillRule(rng.choice([0.1, 0.25, 0.5, 1.0]), rng.choice([0, 1, 2, 5]), rng.choice([0, 1, 3]))
-    queues = [[random_request(rng, f"r{q}-{i}", seed % 3 != 0) for i in range(rng.randint(0, 30))]
+    cached, reasoners = seed % 3 != 0, seed % 2 == 1
+    queues = [[random_request(rng, f"r{q}-{i}", cached, reasoners) for i in range(rng.randint(0, 30))]
               for q in range(world)]  # fmt: skip
     und_cache = seed % 5 != 4
     expected = replay(queues, max_active, rule, PartBytes(10, 7), und_cache)
@@ -151,3 +161,25 @@ def test_the_random_cached_queues_skip_some_passes():
         queues = [[random_request(rng, f"r{q}-{i}", True) for i in range(8)] for q in range(2)]
         skipped += simulate(queues, 1, PrefillRule(), PartBytes(10, 7)).skipped_passes
     assert skipped > 0
+
+
+def test_the_random_queues_with_reasoners_fetch_und_alone_on_some_passes():
+    """Guards the replay test: with reasoners, some passes fetch the UND parts alone (no GEN work anywhere),
+    some fetch both (a reasoner decoding beside a generation request)."""
+    import random
+
+    und_alone = both = 0
+    for seed in range(1, 12, 2):
+        rng = random.Random(seed)
+        queues = [
+            [random_request(rng, f"r{q}-{i}", seed % 3 != 0, True) for i in range(10)] for q in range(2)
+        ]
+        sim = simulate(queues, 2, PrefillRule(), PartBytes(10, 7))
+        und_alone += sim.passes - sim.gen_passes - sim.skipped_passes
+        both += both_fetched(sim)
+    assert und_alone > 0 and both > 0
+
+
+def both_fetched(sim: Simulation) -> int:
+    """Passes that fetched GEN and UND parts: every pass fetched GEN alone, UND alone, both or nothing."""
+    return sim.gen_passes + sim.und_passes + sim.skipped_passes - sim.passes

@@ -53,6 +53,25 @@ def test_gen_pass_then_und_pass_starts_from_the_prefetched_part():
     assert issues == [0, 3, 2, 5, 4, 1]  # G0 came from the pass before
 
 
+def test_a_und_only_pass_fetches_each_und_part_into_the_slot_the_one_before_frees():
+    """A pass without GEN work walks the one-slot UND lane alone: U_l+1 waits for U_l's slot, freed when it
+    is asked for (free_held), never before; the GEN part prefetched by an earlier pass stays where it is."""
+    scheduler = SlotScheduler(LANES, {"gen": 2, "und": 1})
+    walk(scheduler, [1, 3, 5], prefetch=(1,))
+    for part in (0, 2, 4):
+        scheduler.want(part)
+    assert scheduler.pump() == [(0, 0)]
+    log = []
+    for part in (0, 2, 4):
+        if not scheduler.issued(part):
+            log.append(("free", scheduler.free_held()))
+            log += [("issue", *x) for x in scheduler.pump()]
+        log.append(("use", part, scheduler.acquire(part)[0]))
+    assert log == [("use", 0, 0), ("free", 0), ("issue", 2, 0), ("use", 2, 0), ("free", 0), ("issue", 4, 0),
+                   ("use", 4, 0)]  # fmt: skip
+    assert scheduler.end_pass() == 0 and scheduler.outstanding("gen") == [1]
+
+
 def test_acquiring_a_part_never_fetched_is_an_error():
     scheduler = SlotScheduler(LANES, {"gen": 2, "und": 1})
     scheduler.want(1)

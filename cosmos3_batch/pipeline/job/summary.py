@@ -39,6 +39,7 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "blocked": writer.blocked,  # id -> the guardrail's reason (pipeline/finish/blocked.py)
         "passes": runner.passes,
         "und_passes": runner.und_passes,
+        "gen_passes": runner.gen_passes,  # passes that fetched GEN parts: some rank had GEN work
         "pass_s": round(runner.pass_s, 6),
         "all_reduces": runner.sync.all_reduces,
         "gathers": totals.fetches if world.distributed and gathers else 0,

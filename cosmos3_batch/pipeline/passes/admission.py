@@ -34,6 +34,13 @@ def job_class(request: Request) -> type[RequestJob]:
     return TransferJob if request.transfer is not None else RequestJob
 
 
+def has_gen_work(request: Request) -> bool:
+    """Whether a request admitted on a UND pass runs GEN branches on it: every kind but a reasoner's. One to
+    be upsampled counts too: admission may find its prompt recorded, or exempt (`Chains.resolve`, a read of
+    its record), and generate at once; the exchange that decides the pass's fetches comes before admission."""
+    return job_class(request) is not ReasonJob
+
+
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 

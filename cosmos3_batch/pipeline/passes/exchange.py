@@ -34,6 +34,9 @@ class Exchanged:
     waited_s: tuple[float, ...] = ()  # per rank: how long it waited in the previous exchange (the last to
     # arrive waited least: max(waited_s) - waited_s[r] is how far rank r lagged the first to arrive)
     computing: int = 0  # branches of active requests that run the decoder stack this pass (--cache sea)
+    # Requests with GEN work that the ranks admit if this is a UND pass (a reasoner's has none): with
+    # `computing`, whether the pass fetches the GEN parts (runner.py `_fetches`).
+    admits_gen: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,15 @@ class Figures:
 
 
 EXCHANGE = phase("all_reduce")  # "the per-pass exchange", as the line that ends a stalled job says it
-FLAGS = 8  # [active, starved, overdue, pending, needs-UND, finished, stop, computing branches]
+# [active, starved, overdue, pending, needs-UND, finished, stop, computing branches, GEN admissions]
+FLAGS = 9
 FIGURES = 3  # [failed, weight bytes, stall microseconds]; then one slot per rank: its last wait, in ms
 
 
 class PassSync:
     """The one collective per pass. Also keeps a trace of the collectives the pass loop issues.
 
-    The group is a host (gloo) group on every backend: 10 + world-size integers need no device, and a device
+    The group is a host (gloo) group on every backend: 12 + world-size integers need no device, and a device
     tensor here would cost two device syncs per pass (the copy in and `.tolist()`). Each rank writes its
     last wait into its own slot (zeros elsewhere), so the sum is every rank's value.
 
@@ -88,11 +92,12 @@ class PassSync:
         stop: bool = False,
         figures: Figures = Figures(),
         computing: int = 0,
+        admits_gen: int = 0,
     ) -> Exchanged:
         self.all_reduces += 1
         self.note_world(f"all_reduce:{FLAGS + FIGURES + self.world_size}")
         values = [active, slots.starved, slots.overdue, slots.pending, int(needs_und), finished, int(stop)]
-        values.append(computing)
+        values += [computing, admits_gen]
         values += [figures.failed, figures.weight_bytes, round(figures.stall_s * 1e6)]
         waits = [0] * self.world_size
         waits[self.rank] = round(self._waited_s * 1e3)
@@ -106,11 +111,11 @@ class PassSync:
         self.last_exchange = time.monotonic()
         self._waited_s, self.waiting_since = self.last_exchange - self.waiting_since, None
         flags, (failed, moved, stall_us) = values[:FLAGS], values[FLAGS : FLAGS + FIGURES]
-        total, starved, overdue, pending, und, done, stops, computing = flags
+        total, starved, overdue, pending, und, done, stops, computing, admits_gen = flags
         waited = tuple(ms / 1e3 for ms in values[FLAGS + FIGURES :])
         return Exchanged(
             total, starved, overdue, pending, und > 0, done, stops > 0, failed, moved, stall_us / 1e6, waited,
-            computing=computing,
+            computing=computing, admits_gen=admits_gen,
         )  # fmt: skip
 
     def host_read(self, what: str) -> WaitMark:

@@ -6,9 +6,9 @@ Every pass, on every rank:
    anywhere, or a stop flag from any rank (SIGINT/SIGTERM), ends the run on every rank at the same pass;
 2. from those sums alone, every rank decides whether this is a UND (prefill) pass (`plan/prefill.py`); on
    one, each rank admits requests into its free slots and prefills a few more ahead;
-3. walk layers 0..L-1 fetching the same parts in the same order (GEN always, UND on UND passes): a
-   rank with nothing active only takes part in the transfers; UND halves run for the branches being
-   prefilled, GEN halves for the active ones;
+3. walk layers 0..L-1 fetching the same parts in the same order (UND on UND passes, GEN when some rank
+   has GEN work: `plan/prefill.py gen_pass`, from the sums too): a rank with nothing to compute only takes
+   part in the transfers; UND halves run for the branches being prefilled, GEN halves for the active ones;
 4. finish each request's step on its own (head, CFG, its scheduler); finished ones go to the finisher
    thread (decode + write off the loop).
 """
@@ -35,11 +35,11 @@ from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.kinds.step_cache.cache import gate_rank, tally
 from cosmos3_batch.pipeline.kinds.transfer.chain import rejoin
 from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
-from cosmos3_batch.pipeline.passes.admission import Admission, describe
+from cosmos3_batch.pipeline.passes.admission import Admission, describe, has_gen_work
 from cosmos3_batch.pipeline.passes.apply import PartApplier
 from cosmos3_batch.pipeline.passes.chains import Chains, poll_captions
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
-from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, und_pass
+from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, gen_pass, und_pass
 
 if TYPE_CHECKING:
     from cosmos3_batch.io.upsampled import UpsampleStore
@@ -52,7 +52,7 @@ FinishedCallback = Callable[[RequestJob, Result | None, str | None], None]
 
 
 class LayerWeights(Protocol):
-    def begin_pass(self, und: bool) -> None: ...
+    def begin_pass(self, und: bool, gen: bool = True) -> None: ...
     def layer(self, index: int, part: str) -> torch.nn.Module: ...
     def end_pass(self) -> Counters: ...
     def drain(self) -> Counters: ...
@@ -70,6 +70,7 @@ class PassRecord(NamedTuple):
     weight_bytes: int  # host->device + gathered on this rank
     fetch_skipped: bool = False  # --cache sea: no branch of any rank computed: no layer walked or fetched
     computed: int = 0  # this rank's branches that ran the layers (fewer than its active ones' under --cache)
+    gen: bool = True  # the GEN parts were fetched (some rank had GEN work)
 
 
 class PassRunner:
@@ -113,7 +114,8 @@ class PassRunner:
         self.passes = 0
         self.und_passes = 0  # passes that fetched UND parts (some rank admitted a request)
         self.cache = cache  # --cache sea (kinds/step_cache/cache.py): a branch may reuse instead of computing
-        self.skipped_passes = 0  # passes on which every branch of every rank reused: nothing fetched
+        self.skipped_passes = 0  # passes with no GEN work (every branch reused) and no UND: nothing fetched
+        self.gen_passes = 0  # passes that fetched GEN parts (some rank had a branch to run through them)
         self.forwards = [0, 0]  # branch forwards of its requests: [ran the layers, reused] (--sp: once)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         if batch_branches is None:  # batched where it keeps the bits (nowhere on CPU), else per branch
@@ -213,12 +215,12 @@ class PassRunner:
                     gate_rank(admitted, self._share)
                 active += admitted
                 prefill = self._admit(later)
-            # The same decision on every rank (sums only): a pass no branch anywhere computes walks nothing.
-            skip = not und and world.active > 0 and world.computing == 0
-            if not skip:  # start fetching the first part now: the transfer overlaps the embedding
-                self.weights.begin_pass(und)
+            # The same decision on every rank (sums only): GEN parts only if some branch anywhere runs them.
+            gen = gen_pass(und, world.computing, world.admits_gen)
+            if und or gen:  # start fetching the first part now: the transfer overlaps the embedding
+                self.weights.begin_pass(und, gen)
             active = self._begin(active)
-            self._pass(active, und, prefill, skip)
+            self._pass(active, und, gen, prefill)
             slots.ready.extend(self._drop_failed(prefill))
             # The pass may have read changed bytes: its steps are taken (an --sp group's collectives stay
             # aligned) but nothing it finished is submitted; the next exchange stops every rank.
@@ -232,7 +234,8 @@ class PassRunner:
     def _exchange(self, active: list[RequestJob], slots: RankSlots, computing: int) -> Exchanged:
         """The pass's one all-reduce: this rank's state and live figures in, the world's sums back."""
         report = slots.report(len(active))
-        local_und = any(job.needs_und for job in active)  # only the --no-und-cache ablation
+        local_und = any(job.needs_und for job in active)  # a reasoner decoding; the --no-und-cache ablation
+        admits = sum(map(has_gen_work, slots.admitting(len(active))))  # if the pass is a UND pass
         with self._count_lock:
             mine, self._reported = self._reported, 0
             failed, self._failed[1] = self._failed[0] - self._failed[1], self._failed[0]
@@ -240,7 +243,7 @@ class PassRunner:
         figures = Figures(failed, moved.h2d_bytes + moved.gathered_bytes, moved.stall_s)
         stop = self.stop.requested
         if self.leads:
-            world = self.sync.exchange(len(active), report, local_und, mine, stop, figures, computing)
+            world = self.sync.exchange(len(active), report, local_und, mine, stop, figures, computing, admits)
         else:  # the group's state is counted once, by its first rank; a signal counts from any rank
             figures = Figures(0, figures.weight_bytes, figures.stall_s)  # its bytes are its own
             world = self.sync.exchange(0, SlotReport(0, 0, 0), False, 0, stop, figures)
@@ -310,21 +313,21 @@ class PassRunner:
             ok.append(job)
         return ok
 
-    def _pass(
-        self, active: list[RequestJob], und_flag: bool, prefill: list[RequestJob], skip: bool = False
-    ) -> None:
+    def _pass(self, active: list[RequestJob], und_flag: bool, gen: bool, prefill: list[RequestJob]) -> None:
         """Walk the layers: UND halves (if fetched) for every branch still to prefill, the active ones and
-        those prefilled ahead; GEN halves for the branches that compute (kinds/step_cache/cache.py computing).
-        `skip`: none computes anywhere: no layer is walked, fetched or gathered."""
+        those prefilled ahead; GEN halves (if fetched) for the branches that compute (step_cache/cache.py
+        computing). Neither (`skip`): no branch computes anywhere, no layer is walked, fetched or gathered."""
         split, weights = self.ctx.split, self.weights
         started = time.perf_counter()
         prefilling = active + prefill
+        skip = not (und_flag or gen)
         for index in range(0 if skip else split.num_layers):
             if und_flag:
                 self.sync.note_world(f"part:{index}.{UND}")
                 self.apply(prefilling, weights.layer(index, UND), index, UND)
-            self.sync.note_world(f"part:{index}.{GEN}")
-            self.apply(active, weights.layer(index, GEN), index, GEN)
+            if gen:
+                self.sync.note_world(f"part:{index}.{GEN}")
+                self.apply(active, weights.layer(index, GEN), index, GEN)
         counters = Counters() if skip else weights.end_pass()
         ran = tally(active)
         if self.leads:
@@ -333,21 +336,12 @@ class PassRunner:
         ended = time.perf_counter()
         self.pass_s += ended - started
         self._account(prefilling, counters)
-        self.timeline.append(
-            PassRecord(
-                self.passes,
-                started - self.started,
-                ended - started,
-                und_flag,
-                len(active),
-                counters.stall_s,
-                counters.h2d_bytes + counters.gathered_bytes,
-                skip,
-                ran[0],
-            )
-        )
+        moved = counters.h2d_bytes + counters.gathered_bytes
+        self.timeline.append(PassRecord(self.passes, started - self.started, ended - started, und_flag,
+                                        len(active), counters.stall_s, moved, skip, ran[0], gen))  # fmt: skip
         self.passes += 1
         self.und_passes += und_flag
+        self.gen_passes += gen
         self.skipped_passes += skip
 
     def _account(self, riders: list[RequestJob], counters: Counters) -> None:

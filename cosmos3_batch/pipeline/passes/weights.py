@@ -21,7 +21,7 @@ class ResidentWeights:
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = layers
 
-    def begin_pass(self, und: bool) -> None:
+    def begin_pass(self, und: bool, gen: bool = True) -> None:
         pass
 
     def layer(self, index: int, part: str) -> torch.nn.Module:
@@ -41,12 +41,16 @@ class ResidentWeights:
 
 
 class OffloadedWeights:
-    """Layer parts fetched by the engine, in the same order on every rank: [UND_l, ] GEN_l for each l.
+    """Layer parts fetched by the engine, in the same order on every rank: [UND_l, ] [GEN_l] for each l (UND
+    on UND passes, GEN on passes with GEN work: runner.py; both decided from the all-reduce's sums).
 
     UND and GEN parts are separate engine lanes (two GEN slots, one UND slot), so on a UND pass the next
-    GEN part is in flight while UND computes (see engine/slots.py). Every pass starts with GEN part 0, so
-    it is asked for as the pass's last prefetch: it is fetched while this pass's last layers compute and
-    the runner finishes the pass, exchanges and embeds (on every rank alike: the gathers stay in step).
+    GEN part is in flight while UND computes (see engine/slots.py). A pass that fetches GEN parts asks for
+    the next pass's GEN part 0 as its last prefetch, a guess that the next pass has GEN work too: it is
+    fetched while this pass's last layers compute and the runner finishes the pass, exchanges and embeds (on
+    every rank alike: the gathers stay in step). A pass without GEN work prefetches none (a reasoner-only
+    job moves no GEN byte); one that follows a GEN pass leaves its GEN part 0 in its slot for the next pass
+    that has GEN work (the engine counts a part's bytes when it is acquired).
     """
 
     def __init__(
@@ -69,14 +73,16 @@ class OffloadedWeights:
         self._who = peers(engine.config.world_size)
         self._labels = {(i, p): phase(f"part:{i}.{p}") for i in range(n) for p in (UND, GEN)}
         self._index = index
+        fetched = {UND: not und_resident, GEN: True}  # --und-resident: the engine holds no UND part
         self._orders = {
-            True: [index(i, p) for i in range(n) for p in ((GEN,) if und_resident else (UND, GEN))],
-            False: [index(i, GEN) for i in range(n)],
-        }
+            (und, gen): [index(i, p) for i in range(n) for p, wanted in ((UND, und), (GEN, gen))
+                         if wanted and fetched[p]]
+            for und in (True, False) for gen in (True, False)
+        }  # fmt: skip
         self._next_head = [index(0, GEN)] if n else []
 
-    def begin_pass(self, und: bool) -> None:
-        self.engine.begin_pass(self._orders[und], prefetch=self._next_head)
+    def begin_pass(self, und: bool, gen: bool = True) -> None:
+        self.engine.begin_pass(self._orders[und, gen], prefetch=self._next_head if gen else ())
 
     def layer(self, index: int, part: str) -> torch.nn.Module:
         if part == UND and self.und_resident:
