@@ -59,6 +59,7 @@ MODULE_SECONDS = {
     "tests/unit/test_datasets.py": 25,
     "tests/unit/test_transfer_derived.py": 40,  # a derived-control run and its modular reference
     "tests/unit/test_transfer_outputs.py": 30,  # a files and a webdataset run
+    "tests/unit/test_reason_shards.py": 20,  # a files and a webdataset run, three reruns (two do nothing)
     "tests/unit/test_transfer_variants.py": 30,  # 11 runs and their references, 26 s alone on 2 cores
     "tests/unit/test_transfer_boundary.py": 40,  # 8 runs of a 3-chunk chain, 37 s alone on 2 cores
 }

@@ -11,7 +11,7 @@ import typer
 
 FORMAT_HELP = (
     "files: a folder of files per request; webdataset: tar shards per rank under OUT/shards/<kind>/ "
-    "(image, video, video-sound, actions, ...; one member set per shard), read by webdataset and HF "
+    "(image, video, video-sound, actions, reason, ...; one member set per shard), read by webdataset and HF "
     "datasets. Default: what OUT already holds, else files."
 )
 LAYOUT_HELP = (

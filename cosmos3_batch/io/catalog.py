@@ -65,10 +65,18 @@ def complete_outputs(
 def _shard_outputs(indexes: list[dict]) -> dict[str, Output]:
     found = {}
     for rid, loc in latest_samples(indexes).items():
-        media = next((s for s in loc.sample["members"] if s in MEDIA_SUFFIXES), "")
+        media = _media_member(loc.sample)
         finished = datetime.fromisoformat(loc.finalized_at).timestamp()
         found[rid] = Output(rid, loc.sample, loc.shard, loc.member(media), finished, loc)
     return found
+
+
+def _media_member(sample: dict) -> str:
+    """The suffix of a sample's output: a reasoner's is its text, `txt` (a generation sample's `txt` is its
+    prompt, beside the PNG or MP4)."""
+    if sample.get("kind") == "reason":
+        return "txt"
+    return next((s for s in sample["members"] if s in MEDIA_SUFFIXES), "")
 
 
 def _file_outputs(out: Path, layout: str, known: Callable[[str, tuple], bool] | None) -> dict[str, Output]:

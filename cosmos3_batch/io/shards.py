@@ -1,7 +1,8 @@
 """`--format webdataset`: each rank appends its finished samples to tar shards (DESIGN.md §12).
 
 A sample is one request: its members `<key>.<ext>` (media, `.json` sidecar, `.txt` prompt, and `.wav`,
-`.actions.safetensors`, `.latents.safetensors` where they exist), grouped by basename as WebDataset and HF
+`.actions.safetensors`, `.latents.safetensors` where they exist; a reasoner request's `.txt` is its generated
+text and `.prompt.txt` its prompt), grouped by basename as WebDataset and HF
 `datasets` read them. The key is the request id with `.` written `%2E` (their loaders split a member name
 at its first dot). Every sample of a shard has the same member set (HF `datasets` rejects a shard whose
 samples differ), so shards are kept per kind: OUT/shards/<kind>/.
@@ -34,6 +35,10 @@ from cosmos3_batch.io.outputs import PREDICTS_ACTIONS, _fsync_dir, atomic_write
 SHARDS = "shards"  # OUT/shards/<kind>/*.tar
 INDEX_DIR = f"{STATE_DIR}/shards"  # OUT/.cosmos3_batch/shards/<kind>/<name>.json
 STAGING_DIR = f"{STATE_DIR}/staging"  # members being encoded, per writer: [TAG-]rankR/
+REASON_KIND = "reason"  # a reasoner request's shards: OUT/shards/reason/
+# Its members: the generated text in `txt` (what a loader reads as the sample's text), the sidecar, and the
+# prompt it was given under its own name, as the chained texts are (`prompt_upsampled.txt`, `caption.txt`).
+REASON_MEMBERS = ("txt", "json", "prompt.txt")
 
 
 def sample_key(request_id: str) -> str:
@@ -43,7 +48,10 @@ def sample_key(request_id: str) -> str:
 
 def shard_kind(request, save_latents: bool) -> str:
     """image | video | actions | transfer-image | transfer-video, then -sound, then -latents: one member set
-    per kind (Transfer's latents are every chunk's, [chunks, C, T, H, W]: a training set reads them apart)."""
+    per kind (Transfer's latents are every chunk's, [chunks, C, T, H, W]: a training set reads them apart).
+    A reasoner request's kind is `reason`: text out, no latents whatever --save-latents says."""
+    if getattr(request, "reason", None) is not None:
+        return REASON_KIND
     action = getattr(request, "action", None)
     if action is not None and action.mode in PREDICTS_ACTIONS:
         kind = "actions"
@@ -57,6 +65,8 @@ def shard_kind(request, save_latents: bool) -> str:
 
 def member_suffixes(request, save_latents: bool) -> tuple[str, ...]:
     """The members a complete sample of `request` holds (what resume checks in the index)."""
+    if getattr(request, "reason", None) is not None:
+        return REASON_MEMBERS
     suffixes = ["png" if request.num_frames == 1 else "mp4", "json", "txt"]
     if getattr(request, "sound", False):
         suffixes.append("wav")

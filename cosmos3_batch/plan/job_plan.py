@@ -11,6 +11,7 @@ import torch
 from cosmos3_batch.checkpoint.folder import Checkpoint
 from cosmos3_batch.checkpoint.guardrail_cache import written_by_make_tiny
 from cosmos3_batch.checkpoint.hub import resolve_model
+from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.model.vae_shards import check_patchable
 from cosmos3_batch.parallel.sequence import check_model, check_world
 from cosmos3_batch.plan import text as plan_text
@@ -22,7 +23,7 @@ from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job
 from cosmos3_batch.plan.prefill import PrefillRule
-from cosmos3_batch.plan.reason_plan import describe_reason, reason_work
+from cosmos3_batch.plan.reason_plan import describe_reason, reason_work, und_resident_fit
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import Assignment, assign
 from cosmos3_batch.requests.parse import Request, no_cycle_collection
@@ -103,7 +104,7 @@ def plan_job(
     if shape is not None:
         job = (nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
         vae = (max_batch_rows, vae_tiling, vae_parts)
-        text += _model_section(doc, checkpoint, shape, requests, job, vae, assignment, cache)
+        text += _model_section(doc, checkpoint, shape, requests, job, vae, assignment, cache, und_resident)
     else:
         text.append(
             "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
@@ -193,19 +194,27 @@ def _schedule_section(source, requests: list[Request], assignment: Assignment, n
 
 
 def _model_section(
-    doc: dict, checkpoint, shape, requests, job: tuple, vae: tuple, assignment, cache
+    doc: dict, checkpoint, shape, requests, job: tuple, vae: tuple, assignment, cache, und_resident: bool
 ) -> list[str]:
     """With --model: the weights' format and the estimate (memory, bytes per pass, roofline), into `doc`.
-    `job`: (nproc, nnodes, mode, max_active, hw, lookahead, sp); `vae`: (max_batch_rows, tiling, parts)."""
+    `job`: (nproc, nnodes, mode, max_active, hw, lookahead, sp); `vae`: (max_batch_rows, tiling, parts).
+    A job with reasoner decoding (doc["reason"]) and offloaded weights: whether --und-resident fits."""
     doc["weights"] = weight_format(checkpoint, shape)
     text = [f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB"]
     tokens = prompt_tokens(checkpoint, requests)
     reuse, order = (cache[1], cache[0].residual_order) if cache else (0.0, None)
-    est = estimate(shape, requests, tokens, *job, *vae, assignment, reuse, order)
+    args = (shape, requests, tokens, *job, *vae, assignment, reuse, order)
+    est = estimate(*args, und_resident=und_resident)
     doc["estimate"] = est.to_dict()
     if not plan_text.resolvable(est):
         doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
-    return [*text, "", plan_text.describe(est)]
+    text += ["", plan_text.describe(est)]
+    mode, hw = job[2], job[4]
+    if "reason" in doc and mode is not OffloadMode.RESIDENT:  # resident: the UND half is there already
+        with_und = est if und_resident else estimate(*args, und_resident=True)
+        doc["und_resident"] = und_resident_fit(with_und, hw.device_gib, und_resident)
+        text.append(plan_text.describe_und_resident(doc["und_resident"]))
+    return text
 
 
 def weight_format(checkpoint: Checkpoint, shape: ModelShape) -> dict:

@@ -56,11 +56,13 @@ def estimate(
     assignment: Assignment | None = None,
     reuse: float = 0.0,
     cache_order: int | None = None,
+    und_resident: bool = False,
 ) -> Estimate:
     """`max_batch_rows`: the row budget of batched calls (batched is the GPU default); None: no budget.
     `vae_parts`: --vae-patch-parallel-size. `assignment`: the schedule of `requests` over the groups, when
     the caller has it already. `reuse`: --cache sea's share of branch forwards reused (plan/cache.py);
-    `cache_order`: its residual_order (None: no cache), for the residuals it keeps."""
+    `cache_order`: its residual_order (None: no cache), for the residuals it keeps. `und_resident`:
+    --und-resident, every layer's UND part on the device and no UND slot."""
     gen_parts = [p for p in shape.parts if p.key.endswith(GEN)]
     layer_bytes = sum(p.nbytes for p in shape.parts)
     shards = sum(p.shard_bytes for p in shape.parts)
@@ -91,9 +93,9 @@ def estimate(
         activations, pass_s = a2a.activation_bytes, pass_s + a2a.all_to_all_s
         kept, transient = activations, 0
     host_private = {OffloadMode.ALLGATHER: shards}.get(mode, 0) + shape.host_resident_bytes
-    lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
-    slots = sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
-    breakdown = _device_breakdown(shape, mode, slots, (kept, transient), (world_size, sp))
+    und_resident = und_resident and mode is not OffloadMode.RESIDENT  # resident: every part is there already
+    slots = _slot_bytes(shape, und_resident)
+    breakdown = _device_breakdown(shape, mode, slots, (kept, transient), (world_size, sp), und_resident)
     breakdown["vae_decode"] = decode_bytes(shape, requests, vae_tiling, vae_parts)
     if cache_order is not None:
         breakdown["cache_residuals"] = cache_device_bytes(
@@ -132,16 +134,41 @@ def _sp_share(shape: ModelShape, sp: int, work: tuple, held: int, hw: Hardware, 
     return sp_cost(dims, sp, (*work, held), shape.layers, shape.act_bytes, a2a_gbps)
 
 
+def _slot_bytes(shape: ModelShape, und_resident: bool) -> int:
+    """The engine's fetch slots: 2 GEN and 1 UND, or with --und-resident the GEN slots alone (the engine
+    streams only GEN parts then: pipeline/passes/weights.py)."""
+    lanes = [GEN if p.key.endswith(GEN) else UND for p in shape.parts]
+    if not und_resident:
+        return sum(slot_sizes(shape.parts, lanes, dict(LANE_SLOTS)))
+    gen = [p for p, lane in zip(shape.parts, lanes, strict=True) if lane == GEN]
+    return sum(slot_sizes(gen, [GEN] * len(gen), dict(LANE_SLOTS)))
+
+
+def und_half_bytes(shape: ModelShape) -> int:
+    """Every layer's UND part as --und-resident places it on each rank's device: whole (not a shard), each
+    tensor read alone (no slot padding)."""
+    return sum(p.payload_bytes for p in shape.parts if not p.key.endswith(GEN))
+
+
 def _device_breakdown(
-    shape: ModelShape, mode: OffloadMode, slots: int, activations: tuple[int, int], world: tuple[int, int]
+    shape: ModelShape,
+    mode: OffloadMode,
+    slots: int,
+    activations: tuple[int, int],
+    world: tuple[int, int],
+    und_resident: bool = False,
 ) -> dict[str, int]:
     """Device bytes per rank by what holds them (the VAE decode's added by the caller). `activations`: (kept,
-    batched transient); `world`: (world size, --sp)."""
+    batched transient); `world`: (world size, --sp); `und_resident`: the UND half placed whole, its parts
+    out of the engine (sharded keeps only the GEN parts' shards)."""
+    engine_parts = [p for p in shape.parts if not (und_resident and not p.key.endswith(GEN))]
     layer_bytes = sum(p.nbytes for p in shape.parts)
-    shards = sum(p.shard_bytes for p in shape.parts)
+    shards = sum(p.shard_bytes for p in engine_parts)
+    und = {"und_resident": und_half_bytes(shape)} if und_resident else {}
     return {
         "slots": 0 if mode is OffloadMode.RESIDENT else slots,
         "layer_weights": {OffloadMode.RESIDENT: layer_bytes, OffloadMode.SHARDED: shards}.get(mode, 0),
+        **und,
         "resident_weights": shape.device_resident_bytes + shape.vae_bytes,
         "activations": activations[0],
         "batched_transient": activations[1],

@@ -29,6 +29,19 @@ def reason_work(requests, sim: Simulation) -> dict | None:
     }
 
 
+def und_resident_fit(est, device_gib: float, requested: bool) -> dict:
+    """`est`: the estimate with --und-resident (plan/planner.py `estimate(und_resident=True)`): the UND half's
+    bytes per rank, the device bytes per rank with it, and whether they fit `device_gib` (--device-gib)."""
+    total = est.device_bytes_per_rank
+    return {
+        "requested": requested,
+        "und_bytes_per_rank": est.device_breakdown.get("und_resident", 0),
+        "device_bytes_per_rank": total,
+        "device_gib": device_gib,
+        "fits": total <= device_gib * 2**30,
+    }
+
+
 def describe_reason(work: dict) -> str:
     chained = ""
     if work["upsample_tokens_planned"] or work["caption_tokens_planned"]:

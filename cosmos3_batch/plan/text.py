@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 MIN_PASS_S = 1e-3  # the roofline cannot resolve faster passes
 BREAKDOWN_NOTES = {
-    "slots": ": the engine's weight slots (2 GEN + 1 UND)",
+    "slots": ": the engine's weight slots (2 GEN + 1 UND; with --und-resident 2 GEN)",
+    "und_resident": ": --und-resident, every layer's UND part, whole on each rank",
     "layer_weights": ": layers kept on the device (resident: all; sharded: this rank's shards)",
     "resident_weights": ": non-layer weights and the VAE's",
     "activations": ": kept (the active requests' GEN rows and UND K/V, and those prefilled ahead)",
@@ -112,6 +113,24 @@ def _memory_rows(est: Estimate) -> list[tuple[str, str]]:
         (f"  {name}", _size(nbytes) + BREAKDOWN_NOTES.get(name, ""))
         for name, nbytes in est.device_breakdown.items()
     ]
+
+
+def describe_und_resident(fit: dict) -> str:
+    """The --und-resident line of a job with reasoner decoding: the UND half's bytes per rank and whether the
+    device holds them beside the rest (given: the device line counts them; not given: what it would be)."""
+    und, total = _size(fit["und_bytes_per_rank"]), _size(fit["device_bytes_per_rank"])
+    verdict = "fits" if fit["fits"] else "does not fit"
+    if fit["requested"]:
+        advice = "" if fit["fits"] else ": drop --und-resident (the UND parts then stream through one slot)"
+        return (
+            f"--und-resident: the UND half, {und} per rank (counted in the device line), "
+            f"{total} per rank in all: {verdict} --device-gib {fit['device_gib']:g}{advice}"
+        )
+    advice = ": add --und-resident to move no UND bytes per generated token" if fit["fits"] else ""
+    return (
+        f"--und-resident would hold the UND half, {und} per rank: {total} per rank in all, "
+        f"{verdict} --device-gib {fit['device_gib']:g}{advice}"
+    )
 
 
 def _size(nbytes: float) -> str:

@@ -50,13 +50,6 @@ def test_a_checkpoint_without_the_reasoner_parts_exits_2_naming_them(tiny_ckpt, 
     assert not (tmp_path / "out" / "r.txt").exists()
 
 
-def test_webdataset_output_is_refused_for_reasoner_requests(tiny_reasoner_ckpt, tmp_path):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "r", "prompt": "Describe.", "reason": {}}])
-    args = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(tmp_path / "out")]
-    result = CliRunner().invoke(app, [*args, "--format", "webdataset", "--no-progress"])
-    assert result.exit_code == 2 and "written as files only" in result.output, result.output
-
-
 def test_fp8_and_edge_transformers_are_named(tiny_reasoner_ckpt, tmp_path):
     import shutil
 

@@ -165,3 +165,46 @@ def test_plan_counts_the_tokens_of_chained_stages(tiny_reasoner_ckpt, tmp_path):
     assert "of which 40 upsampling prompts and 27 captioning and scoring outputs" in text
     every = json.loads(CliRunner().invoke(app, [*args, "--json", "--upsample", "--caption"]).output)["reason"]
     assert (every["upsample_tokens_planned"], every["caption_tokens_planned"]) == (40 * 3, 9 * 4)
+
+
+def test_plan_counts_the_und_half_with_und_resident_and_says_whether_it_fits(tiny_reasoner_ckpt, tmp_path):
+    """`plan --und-resident` (issue 44 items 3/6): every layer's UND part, whole on each rank (not its shard),
+    is in the device line, its bytes those stored in the checkpoint, and the UND slot is gone; the plan says
+    whether that fits --device-gib, and a plan without the flag says what it would take."""
+    from safetensors.torch import load_file
+
+    from cosmos3_batch.model.cosmos3 import UND, part_of
+
+    stored = load_file(tiny_reasoner_ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
+    und = sum(
+        t.numel() * t.element_size()
+        for name, t in stored.items()
+        if name.startswith("layers.") and part_of(name.split(".", 2)[2]) == UND
+    )
+    rows = [{"id": "t2v", **T2V}, {"id": "r1", "prompt": "Describe.", "reason": {"max_new_tokens": 5}}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+
+    def plan(*flags) -> tuple[dict, str]:
+        args = ["plan", str(prompts), "--model", str(tiny_reasoner_ckpt), "--nproc", "2", *flags]
+        text = CliRunner().invoke(app, args, catch_exceptions=False).output
+        doc = json.loads(CliRunner().invoke(app, [*args, "--json"], catch_exceptions=False).output)
+        return doc, text
+
+    (with_und, text), (without, hint) = plan("--und-resident"), plan()
+    held, streamed = with_und["estimate"], without["estimate"]
+    assert held["device_breakdown"]["und_resident"] == und > 0  # whole on each of the 2 ranks: not a shard
+    assert "und_resident" not in streamed["device_breakdown"]
+    assert sum(held["device_breakdown"].values()) == held["device_bytes_per_rank"]
+    assert held["device_breakdown"]["slots"] < streamed["device_breakdown"]["slots"]  # no UND slot
+    fit = with_und["und_resident"]
+    assert fit == {**without["und_resident"], "requested": True}  # the same figures, asked for or not
+    assert fit["und_bytes_per_rank"] == und and fit["device_bytes_per_rank"] == held["device_bytes_per_rank"]
+    assert fit["fits"] and "--und-resident: the UND half" in text and "fits --device-gib 80" in text
+    assert "add --und-resident" in hint
+    # 1 GiB: not even the CUDA runtime's constants (1.06 GiB) fit.
+    small, small_text = plan("--und-resident", "--device-gib", "1")
+    assert (
+        not small["und_resident"]["fits"] and "does not fit --device-gib 1: drop --und-resident" in small_text
+    )
+    resident, _ = plan("--offload", "resident", "--und-resident")  # every part is on the device already
+    assert "und_resident" not in resident and "und_resident" not in resident["estimate"]["device_breakdown"]

@@ -15,14 +15,13 @@ import torch
 import cosmos3_batch
 from cosmos3_batch.config import RunConfig
 from cosmos3_batch.io import outputs
-from cosmos3_batch.io.audio import write_wav_file
 from cosmos3_batch.io.catalog import complete_outputs
 from cosmos3_batch.io.ffmpeg import EncoderInterrupted
 from cosmos3_batch.io.inputs import input_record
 from cosmos3_batch.io.metrics import MetricsWriter, ids_with_ok_rows, iso_time
 from cosmos3_batch.io.shards import Pending, ShardLost, ShardWriter, sample_key, shard_kind
 from cosmos3_batch.io.space import describe_refusal, disk_errno
-from cosmos3_batch.io.text_outputs import chain_facts, chain_members, reason_facts, write_text
+from cosmos3_batch.io.text_outputs import chain_facts, reason_facts, write_text
 from cosmos3_batch.parallel.exit_codes import ExitCode
 from cosmos3_batch.parallel.stop import JobFault, StopRequest
 from cosmos3_batch.pipeline.finish.blocked import Blocked, record_blocked
@@ -32,6 +31,7 @@ from cosmos3_batch.pipeline.finish.guardrail import (
     check_result,
     withhold_unsafe_answers,
 )
+from cosmos3_batch.pipeline.finish.samples import INDEXED, files_record, stage_media, stage_texts
 from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.kinds.reason import TextResult
 from cosmos3_batch.pipeline.kinds.step_cache.cache import cache_report, forward_counts
@@ -344,43 +344,19 @@ class ResultWriter:
         }
 
     def _append(self, job: RequestJob, result: Result) -> list[Pending]:
-        """--format webdataset: encode the members into this writer's staging folder, then append them to the
-        open shard of the request's kind; returns the samples of a shard this closed."""
+        """--format webdataset: encode the members into this writer's staging folder (finish/samples.py), then
+        append them to the open shard of the request's kind; returns the samples of a shard this closed."""
         r, shards = job.request, self.shards
         key, kind = sample_key(r.id), shard_kind(r, self.cfg.save_latents)
         start = time.perf_counter()
-        frames = outputs.to_uint8(result.frames)
-        audio = (result.sound, result.sample_rate) if result.sound is not None else None
         staged: list[tuple[str, Path]] = []
         try:
-            media = "png" if r.num_frames == 1 else "mp4"
-            staged.append((media, shards.stage(key, media)))
-            if media == "png":
-                outputs.render_png(staged[-1][1], frames[0])
-            else:
-                outputs.render_mp4(staged[-1][1], frames, r.fps, audio, final=staged[-1][1])
-            if audio is not None:
-                staged.append(("wav", shards.stage(key, "wav")))
-                write_wav_file(staged[-1][1], *audio)
-            if result.actions is not None:
-                staged.append(("actions.safetensors", shards.stage(key, "actions.safetensors")))
-                outputs.render_actions(staged[-1][1], result.actions)
-            if self.cfg.save_latents:
-                staged.append(("latents.safetensors", shards.stage(key, "latents.safetensors")))
-                outputs.render_latents(staged[-1][1], result.latents, result.sound)
+            media = stage_media(shards, key, r, result, self.cfg.save_latents, staged)
             job.timings["write_s"] = time.perf_counter() - start
             shard = shards.shard_of(kind)
-            keys = {"png": "media", "mp4": "media", "wav": "wav", "actions.safetensors": "actions"}
-            files = {keys.get(sfx, "latents"): {"name": f"{key}.{sfx}", "bytes": path.stat().st_size}
-                     for sfx, path in staged}  # fmt: skip
-            sidecar = {**self._sidecar(job, result, files), "shard": shard}
-            staged.append(("json", shards.stage(key, "json")))
-            staged[-1][1].write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-            staged.append(("txt", shards.stage(key, "txt")))
-            staged[-1][1].write_text(r.prompt_original or r.prompt)
-            for suffix, text in chain_members(sidecar).items():  # their own keys: caption.txt, ...
-                staged.append((suffix, shards.stage(key, suffix)))
-                staged[-1][1].write_text(text)
+            sidecar = self._sidecar(job, result, files_record(key, staged))
+            sidecar |= (reason_facts(result) if r.reason is not None else {}) | {"shard": shard}
+            stage_texts(shards, key, r, sidecar, staged)
         except BaseException:
             for _, path in staged:
                 path.unlink(missing_ok=True)
@@ -388,8 +364,3 @@ class ResultWriter:
         sample = {k: sidecar[k] for k in INDEXED if k in sidecar}
         row = self._row_fields(job, "ok", f"{shard}/{key}.{media}")
         return shards.add(kind, key, staged, sample, row)
-
-
-# What a shard's index keeps of each sample's sidecar: resume's checks and the manifest's columns.
-INDEXED = ("id", "kind", "request", "request_hash", "output_key", "inputs", "seed", "timings", "model",
-           "model_digest", "rank", "upsample", "captions")  # fmt: skip

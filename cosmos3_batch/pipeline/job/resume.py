@@ -50,9 +50,8 @@ def split_complete(
         else:
             paths = outputs.paths_for(cfg.out, r.id, r.num_frames, dataset.layout)
             required = outputs.mode_files(r)
-            done, why = outputs.is_complete(
-                paths, content, key, cfg.save_latents, required, recorded.get(r.id)
-            )
+            latents = cfg.save_latents and r.reason is None  # a reasoner's text has none to save
+            done, why = outputs.is_complete(paths, content, key, latents, required, recorded.get(r.id))
             seen, unrecorded = not done and paths.sidecar.exists(), why == NOT_COMPLETE
         if not done and unrecorded and _was_blocked(cfg, r, dataset, content, key):
             done, seen = True, False  # blocked by the guardrails: an outcome, not retried

@@ -63,13 +63,6 @@ class BadInput(ValueError):
     """Bad requests, flags or checkpoint, found before any weight was loaded (exit code 2)."""
 
 
-def check_format(held, requests: list):
-    """The dataset format the run will write, if every request can be written in it (ValueError if not)."""
-    if held.format == "webdataset" and any(r.reason is not None for r in requests):
-        raise ValueError("--format webdataset: reasoner requests (reason) are written as files only")
-    return held
-
-
 def check_chained(cfg: RunConfig, requests: list) -> None:
     """Upsampling and captions run on one rank per request: not yet inside an --sp or VAE group."""
     if any(r.upsample or r.captions for r in requests) and (cfg.sp > 1 or cfg.vae_patch_parallel_size > 1):
@@ -111,7 +104,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, stdin: bytes | None = None, re
     tokenizer = load_tokenizer(checkpoint)
     helper = build_helper(checkpoint, tokenizer)  # on meta modules: no weights are read
     try:  # decided on the whole input, so every array task of the job decides alike
-        held = check_format(dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests)), requests)
+        held = dataset.choose(cfg.out, cfg.format, cfg.layout, len(requests))
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     mine = requests if cfg.shard is None else [r for r in requests if in_shard(r.id, *cfg.shard)]
