@@ -145,7 +145,9 @@ class TensorStore:
             raise CheckpointFileError(f"{st.path}: tensor '{name}' is {have_dtype}, expected {dtype}")
 
     def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        dtype, shape, _, _ = self._where[name].tensors[name]
+        if (st := self._where.get(name)) is None:  # a config that names more than the files hold: exit 2
+            raise CheckpointFileError(f"{self.folder}: tensor '{name}' is missing from the checkpoint")
+        dtype, shape, _, _ = st.tensors[name]
         return dtype, shape
 
     def byte_view(self, name: str) -> torch.Tensor:

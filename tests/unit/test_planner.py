@@ -197,3 +197,17 @@ def test_plan_sizes_distilled_and_edge_checkpoints(tmp_path, tiny_ckpt, tiny_dis
     half = 2 * 3072 * 3072 + 2 * 3072 * 1024 + 2 * 3072 * 9216
     assert min(p.nbytes for p in shape.parts) >= half * 2
     assert max(p.nbytes for p in shape.parts) < (half + 4 * 3072 + 4 * 128) * 2 + 8 * 256
+
+
+def test_a_config_that_names_more_layers_than_the_files_hold_is_exit_2(tmp_path, tiny_ckpt):
+    """plan reads the files' headers where there are files: a config of 36 layers over a 2-layer file is a
+    clear error naming the first tensor missing, not a traceback."""
+    from tests.unit.test_cli import invoke
+
+    root = tmp_path / "mixed"
+    shutil.copytree(tiny_ckpt, root)
+    (root / "transformer" / "config.json").write_text(json.dumps(NANO))
+    row = {"id": "a", "prompt": "x", "size": "64x64", "num_frames": 1}
+    result = invoke("plan", write_jsonl(tmp_path / "p.jsonl", [row]), "--model", root)
+    assert result.exit_code == 2, result.output
+    assert "is missing from the checkpoint" in result.output and "Traceback" not in result.output
