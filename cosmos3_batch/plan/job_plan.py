@@ -21,9 +21,15 @@ from cosmos3_batch.plan.guardrail_cost import describe as describe_guardrails
 from cosmos3_batch.plan.guardrail_cost import guardrail_cost
 from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
-from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job
+from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job, und_half_bytes
 from cosmos3_batch.plan.prefill import PrefillRule
-from cosmos3_batch.plan.reason_plan import describe_reason, reason_work, und_resident_fit
+from cosmos3_batch.plan.reason_plan import (
+    decode_rates,
+    describe_rates,
+    describe_reason,
+    reason_work,
+    und_resident_fit,
+)
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 from cosmos3_batch.plan.schedule import Assignment, assign
 from cosmos3_batch.requests.parse import Request, no_cycle_collection
@@ -210,6 +216,9 @@ def _model_section(
         doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
     text += ["", plan_text.describe(est)]
     mode, hw = job[2], job[4]
+    if "reason" in doc:  # decode passes: bandwidth-bound, the UND half streamed or held (both ways)
+        doc["reason"]["decode"] = decode_rates(und_half_bytes(shape), mode, job[:2], hw, doc["reason"])
+        text.append(describe_rates(doc["reason"]["decode"], mode))
     if "reason" in doc and mode is not OffloadMode.RESIDENT:  # resident: the UND half is there already
         with_und = est if und_resident else estimate(*args, und_resident=True)
         doc["und_resident"] = und_resident_fit(with_und, hw.device_gib, und_resident)

@@ -208,3 +208,32 @@ def test_plan_counts_the_und_half_with_und_resident_and_says_whether_it_fits(tin
     )
     resident, _ = plan("--offload", "resident", "--und-resident")  # every part is on the device already
     assert "und_resident" not in resident and "und_resident" not in resident["estimate"]["device_breakdown"]
+
+
+def test_plan_prices_a_decode_pass_both_ways(tiny_reasoner_ckpt, tmp_path):
+    """Issue 44: a decode pass is as long as its slowest stream or its GEMMs; streamed at world 2 it copies
+    half the UND half host->device and gathers the other half, resident it only reads the UND half from
+    HBM. The figures are the arithmetic of the hardware flags, exactly, and the text says both."""
+    from cosmos3_batch.plan.reason_plan import UND_BYTES_PER_PARAM
+
+    rows = [{"id": f"r{i}", "prompt": "Describe.", "reason": {"max_new_tokens": 6}} for i in range(4)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    hw = ["--h2d-gbps", "0.5", "--gather-gbps", "2", "--hbm-gbps", "10", "--tflops", "5e-3"]
+    model = ["--model", str(tiny_reasoner_ckpt)]
+    args = ["plan", str(prompts), *model, "--nproc", "2", "--max-active", "2", *hw]
+    doc = json.loads(CliRunner().invoke(app, [*args, "--json"], catch_exceptions=False).output)
+    text = CliRunner().invoke(app, args, catch_exceptions=False).output
+    und = doc["und_resident"]["und_bytes_per_rank"]  # the UND half, as stored (the --und-resident test)
+    tokens = doc["reason"]["tokens_per_decode_pass"]
+    assert tokens == 4.0  # 2 ranks x 2 sequences, one token each
+    compute = 2 * und / UND_BYTES_PER_PARAM * tokens / 2 / 5e9
+    copy, gather, hbm = und / 2 / 0.5e9, und / 2 / 2e9, und / 10e9
+    assert doc["reason"]["decode"] == {
+        "pass_s_streamed": max(copy, gather, hbm, compute),
+        "pass_s_und_resident": max(hbm, compute),
+        "tokens_per_s_streamed": tokens / max(copy, gather, hbm, compute),
+        "tokens_per_s_und_resident": tokens / max(hbm, compute),
+    }
+    assert copy > compute > hbm  # each branch of the max taken somewhere: a slow host link, slow GEMMs
+    assert f"{copy * 1e3:.1f} ms streaming the UND parts (--offload allgather)" in text
+    assert f"{compute * 1e3:.1f} ms with the UND half on the device" in text
