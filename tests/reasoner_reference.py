@@ -25,17 +25,27 @@ def reference_model(ckpt: str):
 
 
 def reference_ids(
-    ckpt: Path, prompt: str, spec: ReasonSpec, seed: int, image: str | None = None
+    ckpt: Path, prompt: str, spec: ReasonSpec, seed: int, image: str | None = None, video=None
 ) -> list[int]:
-    """The token ids `generate` appends to the prompt (EOS included where it stopped there)."""
+    """The token ids `generate` appends to the prompt (EOS included where it stopped there). `video`: (frames,
+    their `VideoMetadata`, `fps` to sample at or None), as transformers' video processor takes decoded frames
+    (its own fetch needs torchcodec); needs torchvision (the torchvision tier: tests/guardrails)."""
     from PIL import Image
 
     model, processor = reference_model(str(ckpt))
     picture = Image.open(image).convert("RGB") if image is not None else None
-    chat = messages(prompt, spec.system, image=picture)
-    inputs = processor.apply_chat_template(
-        chat, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )
+    frames, extra = None, {}
+    if video is not None:
+        frames, metadata, fps = video
+        extra = {"video_metadata": [metadata], **({"fps": fps} if fps is not None else {})}
+    chat = messages(prompt, spec.system, image=picture, video=frames)
+    if video is None:
+        inputs = processor.apply_chat_template(
+            chat, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+    else:  # the text from the template, then the processor called on it as its own docs call it
+        text = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=[text], videos=[frames], return_tensors="pt", **extra)
     n = inputs["input_ids"].shape[1]
     extra = {"logits_processor": [PresencePenalty(spec.presence_penalty, n)]} if spec.presence_penalty else {}
     torch.manual_seed(seed)

@@ -136,5 +136,18 @@ def _write_processor(folder: Path, tokenizer) -> None:
     finally:
         tokenizer.chat_template = base_template
     image.save_pretrained(folder)
+    # The video processor's settings, written as its save_pretrained writes them (the class needs torchvision,
+    # which make-tiny does not): the ViT's patching, a tiny pixel budget, transformers' frame sampling.
+    video = {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "patch_size": PATCH,
+        "temporal_patch_size": TEMPORAL_PATCH,
+        "merge_size": MERGE,
+        "size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 64 * 64 * 8},
+        "fps": 2,
+        "min_frames": 2,
+        "max_frames": 16,
+    }
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     processor = {"processor_class": "Qwen3VLProcessor"}
     (folder / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
