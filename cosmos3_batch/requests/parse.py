@@ -155,11 +155,40 @@ class RequestFileError(ValueError):
     def __init__(self, source: str, errors: list[RequestError]):
         self.source = source
         self.errors = list(errors)
-        super().__init__("\n".join(f"{error.source or source}: {error}" for error in self.errors))
+        super().__init__("\n".join(_collapsed(self.errors, source)))
 
     def __reduce__(self) -> tuple[type, tuple[str, list[RequestError]]]:
         # ValueError pickles as cls(*args), which does not fit this __init__; errors may cross processes.
         return (type(self), (self.source, self.errors))
+
+
+SAME_SHOWN = 3  # identical errors on more lines than this are said once, with the lines they are on
+
+
+def _collapsed(errors: list[RequestError], source: str) -> list[str]:
+    """One line per error, except a run of the same error (the same field and message: a checkpoint that
+    lacks what every line asks, a flag's limit) on consecutive lines, which is said once with its lines:
+    512 identical lines hide the one that differs."""
+    said: list[str] = []
+    run: list[RequestError] = []
+
+    def flush() -> None:
+        if len(run) > SAME_SHOWN:
+            first, lines = run[0], [str(e.line) for e in run]
+            shown = ", ".join(lines[:8]) + (", ..." if len(lines) > 8 else "")
+            said.append(f"{first.source or source}: {first} (the same on {len(run)} {first.unit}s: {shown})")
+        else:
+            said.extend(f"{error.source or source}: {error}" for error in run)
+        run.clear()
+
+    for error in errors:
+        if run and (error.source, error.unit, error.field, error.message) != (
+            run[0].source, run[0].unit, run[0].field, run[0].message
+        ):  # fmt: skip
+            flush()
+        run.append(error)
+    flush()
+    return said
 
 
 def derive_seed(request_id: str) -> int:

@@ -174,3 +174,20 @@ def test_status_rate_is_over_generation_time_and_pending_is_null_without_input(
         "ETA 0.00 h",
     ]
     assert json.loads(invoke("status", out, "--json", "--input", prompts).output)["pending"] == 0
+
+
+def test_the_same_error_on_many_lines_is_said_once_with_its_lines(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """Reasoner requests against a checkpoint without the reasoner's parts fail on every line alike: one error
+    line names them all (first lines listed, the count exact), and the one line that differs is still said."""
+    rows = [{"id": f"r{i}", "prompt": "Describe it.", "reason": {"max_new_tokens": 4}} for i in range(12)]
+    rows.insert(5, {**IMAGE, "num_frames": 0})
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    result = invoke("plan", prompts, "--model", tiny_ckpt)
+    assert result.exit_code == 2
+    said = result.output.strip().splitlines()
+    assert len(said) == 3, said  # lines 1-5 alike, line 6 its own, lines 7-13 alike
+    first = f"error: {prompts}: line 1, field 'reason': this checkpoint has no reasoner parts"
+    assert said[0].startswith(first)
+    assert said[0].endswith("(the same on 5 lines: 1, 2, 3, 4, 5)")
+    assert said[1] == f"{prompts}: line 6, field 'num_frames': num_frames must be >= 1, got 0"
+    assert said[2].endswith("(the same on 7 lines: 7, 8, 9, 10, 11, 12, 13)")
