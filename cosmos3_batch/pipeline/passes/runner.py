@@ -20,11 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from cosmos3_batch.engine.transport import Counters
+from cosmos3_batch.io.metrics import PassRecord
 from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
@@ -39,6 +40,7 @@ from cosmos3_batch.pipeline.passes.admission import Admission, describe, has_gen
 from cosmos3_batch.pipeline.passes.apply import PartApplier
 from cosmos3_batch.pipeline.passes.chains import Chains, poll_captions
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
+from cosmos3_batch.pipeline.passes.weights import LayerWeights
 from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, gen_pass, und_pass
 
 if TYPE_CHECKING:
@@ -49,28 +51,6 @@ if TYPE_CHECKING:
 
 # on_finished(job, result, error): exactly one of result / error is set.
 FinishedCallback = Callable[[RequestJob, Result | None, str | None], None]
-
-
-class LayerWeights(Protocol):
-    def begin_pass(self, und: bool, gen: bool = True) -> None: ...
-    def layer(self, index: int, part: str) -> torch.nn.Module: ...
-    def end_pass(self) -> Counters: ...
-    def drain(self) -> Counters: ...
-
-
-class PassRecord(NamedTuple):
-    """One pass on this rank, as the run report draws it (columns of passes.*.csv)."""
-
-    index: int
-    start_s: float  # since the pass loop began on this rank
-    duration_s: float  # walking the layers: fetch waits + compute
-    und: bool  # the UND parts were fetched
-    active: int  # requests that rode on this pass
-    stall_s: float  # compute waited for a part
-    weight_bytes: int  # host->device + gathered on this rank
-    fetch_skipped: bool = False  # --cache sea: no branch of any rank computed: no layer walked or fetched
-    computed: int = 0  # this rank's branches that ran the layers (fewer than its active ones' under --cache)
-    gen: bool = True  # the GEN parts were fetched (some rank had GEN work)
 
 
 class PassRunner:
