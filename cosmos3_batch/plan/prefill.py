@@ -14,6 +14,9 @@ whenever any rank admits a request makes most passes UND passes at scale, so adm
   rank's starved slot has waited `max_wait` passes, or nothing at all is active (the start).
 * On a UND pass every rank admits requests into all its free slots (they prefill and take their
   first step in that pass) and prefills up to `lookahead` more into its ready list.
+* Slots come in two pools (`RankSlots`): `--max-active` for generation requests, `--max-reason-active` for
+  reasoner requests, each filled from its own requests in schedule order and starving on its own; the share
+  rule applies to each pool (`und_pass`'s `reason`), so a job without reasoners passes as it always did.
 
 The decision reads only the per-pass all-reduce's sums, so every rank takes the same one.
 """
