@@ -32,6 +32,9 @@ class RunConfig:
     model: Path | None = None  # None: the embedded tiny model, built on first use
     model_source: ModelSource | None = None  # where --model came from (a folder or a Hugging Face repo id)
     max_active: int = 4
+    # Reasoner requests in slots of their own (plan/prefill.py RankSlots); None: sized at the run's start from
+    # device memory (plan/reason_memory.py; the CPU device: 8).
+    max_reason_active: int | None = None
     save_latents: bool = False
     vae_tiling: bool = False
     skip_invalid: bool = False
@@ -42,7 +45,9 @@ class RunConfig:
     max_vision_tokens: int = 65536
     shard: tuple[int, int] | None = None  # (index, count): this job runs one slice of the file
     und_cache: bool = True  # off only as an ablation: UND recomputed (and fetched) every step
-    und_resident: bool = False  # every layer's UND half kept on the device; only GEN parts stream (reasoner)
+    # Every layer's UND half kept on the device, only GEN parts streamed (reasoner decoding); None: decided at
+    # the run's start from device memory (plan/reason_memory.py; the CPU device: off).
+    und_resident: bool | None = None
     collective_timeout_s: float = 600.0  # long enough for a slow layer fetch, short enough to not burn a node
     load_timeout_s: float = 3600.0  # ranks wait this long for each other to finish loading (cold shard reads)
     fp8_compute: str = "checkpoint"  # FP8 checkpoints: its step policy (W8A8 where possible) or W8A16 always
@@ -80,6 +85,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.max_active < 1:
             raise ValueError(f"--max-active must be >= 1, got {self.max_active}")
+        if self.max_reason_active is not None and self.max_reason_active < 1:
+            raise ValueError(f"--max-reason-active must be >= 1, got {self.max_reason_active}")
         if self.sp < 1:
             raise ValueError(f"--sp must be >= 1, got {self.sp}")
         if self.vae_patch_parallel_size < 1 or self.sp % self.vae_patch_parallel_size:

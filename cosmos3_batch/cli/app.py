@@ -14,6 +14,7 @@ import cosmos3_batch.cli.cache as cli_cache
 import cosmos3_batch.cli.chain as cli_chain
 import cosmos3_batch.cli.data as cli_data
 import cosmos3_batch.cli.models as cli_models
+import cosmos3_batch.cli.reasoner as cli_reasoner
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
 
@@ -153,13 +154,8 @@ def run(
         bool,
         typer.Option(help="Cache each prompt's UND K/V once (default). --no-und-cache is an ablation only."),
     ] = True,
-    und_resident: Annotated[
-        bool,
-        typer.Option(
-            help="Keep every layer's UND half on the device and stream only GEN parts: reasoner decode "
-            "moves no UND bytes per token (needs the UND half's bytes of device memory: plan --und-resident)."
-        ),
-    ] = False,
+    und_resident: cli_reasoner.UndResident = None,
+    max_reason_active: cli_reasoner.MaxReasonActive = None,
     shard: Annotated[
         str | None,
         typer.Option(
@@ -240,6 +236,7 @@ def run(
             max_vision_tokens=max_vision_tokens,
             und_cache=und_cache,
             und_resident=und_resident,
+            max_reason_active=max_reason_active,
             shard=shard,
             prefill=(prefill_free_share, prefill_max_wait, prefill_lookahead, chunk_gap_passes),
             batch_branches=batch_branches,
@@ -287,8 +284,9 @@ def plan(
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes the ranks are spread over.")] = 1,
     offload: Annotated[str, typer.Option(help="Offload mode to size (as `run --offload`).")] = "allgather",
-    und_resident: Annotated[bool, typer.Option(help="UND halves on the device (as `run`).")] = False,
+    und_resident: cli_reasoner.PlanUndResident = None,
     max_active: Annotated[int, typer.Option(help="Requests per rank sharing each layer (as `run`).")] = 4,
+    max_reason_active: cli_reasoner.PlanMaxReasonActive = None,
     gpu: Annotated[
         str | None, _opt("Presets: h100, h200, b200, b300 (docs/scale.md); flags below win.")
     ] = None,
@@ -361,6 +359,7 @@ def plan(
             vae_dtype=vae_dtype, max_batch_rows=max_batch_rows, vae_tiling=vae_tiling,
             vae_parts=vae_patch_parallel_size, cache=cli_cache.plan_cache(cache, cache_reuse),
             input_format=input_format, und_resident=und_resident, guardrails=guardrails, chain=chain,
+            max_reason_active=max_reason_active,
         )  # fmt: skip
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

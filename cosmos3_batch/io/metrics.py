@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from cosmos3_batch.io.outputs import atomic_write, iso_time
 
@@ -245,6 +246,21 @@ def _sort_time(value: str | None) -> str:
 
 def passes_path(out_dir: Path, rank: int, tag: str = "") -> Path:
     return out_dir / STATE_DIR / f"passes.{tag + '-' if tag else ''}rank{rank}.csv"
+
+
+class PassRecord(NamedTuple):
+    """One pass on this rank, as the run report draws it (columns of passes.*.csv)."""
+
+    index: int
+    start_s: float  # since the pass loop began on this rank
+    duration_s: float  # walking the layers: fetch waits + compute
+    und: bool  # the UND parts were fetched
+    active: int  # requests that rode on this pass
+    stall_s: float  # compute waited for a part
+    weight_bytes: int  # host->device + gathered on this rank
+    fetch_skipped: bool = False  # --cache sea: no branch of any rank computed: no layer walked or fetched
+    computed: int = 0  # this rank's branches that ran the layers (fewer than its active ones' under --cache)
+    gen: bool = True  # the GEN parts were fetched (some rank had GEN work)
 
 
 def write_passes(out_dir: Path, rank: int, tag: str, columns: tuple[str, ...], rows: list[tuple]) -> Path:

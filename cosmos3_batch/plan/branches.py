@@ -128,7 +128,8 @@ def sim_requests(request, chunk_gap: int) -> list[SimRequest]:
     upsampling = SimRequest(f"{request.id}:upsample", up, 1, decodes=True, gen_at_admission=True)
     stand_ins = [upsampling] if up else []
     stand_ins.append(sim_request(request, chunk_gap))
-    return stand_ins + ([SimRequest(f"{request.id}:captions", after, 1, decodes=True)] if after else [])
+    captions = SimRequest(f"{request.id}:captions", after, 1, decodes=True, chained=True)  # in its slot
+    return stand_ins + ([captions] if after else [])
 
 
 def transfer_work(requests) -> dict | None:

@@ -3,6 +3,7 @@ the weights' format and the estimate (plan/planner.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import replace
 
@@ -23,6 +24,12 @@ from cosmos3_batch.plan.hardware import Hardware
 from cosmos3_batch.plan.model_shape import ModelShape, model_shape
 from cosmos3_batch.plan.planner import estimate, idle_warning, prompt_tokens, simulate_job, und_half_bytes
 from cosmos3_batch.plan.prefill import PrefillRule
+from cosmos3_batch.plan.reason_memory import (
+    ReasonerSizing,
+    sequence_kv,
+    size_reasoner,
+    vision_counter,
+)
 from cosmos3_batch.plan.reason_plan import (
     decode_rates,
     describe_rates,
@@ -59,20 +66,22 @@ def plan_job(
     vae_parts: int = 1,
     cache: tuple[SeaSettings, float] | None = None,
     input_format: str = "auto",
-    und_resident: bool = False,
+    und_resident: bool | None = None,
     guardrails: bool | None = None,
     chain=None,
+    max_reason_active: int | None = None,
 ) -> tuple[dict, str]:
     """What `plan` prints, as a JSON-able document and as text. ValueError for bad flags or requests.
     `prompts`, `samples`, `columns` and `stdin` are read as `run` reads them; `model` a folder or repo id.
     `cache`: --cache sea's settings and the share of branch forwards taken to reuse (--cache-reuse).
     `guardrails`: as `run --guardrails`; None: on for a real checkpoint, off for make-tiny's (and none).
-    `chain`: requests/chain.py ChainDefaults of `--upsample` / `--caption` (None: off)."""
+    `chain`: requests/chain.py ChainDefaults of `--upsample` / `--caption` (None: off). `und_resident`,
+    `max_reason_active`: the flags (None: decided as `run` decides them, plan/reason_memory.py)."""
     from cosmos3_batch.engine.transport import parse_offload
     from cosmos3_batch.plan.validate import checked_requests
 
     rule = rule if rule is not None else PrefillRule()
-    _check_flags(nproc, nnodes, samples, sp, vae_parts, vae_tiling)
+    _check_flags(nproc, nnodes, samples, sp, vae_parts, vae_tiling, max_reason_active)
     mode = parse_offload(offload)
     groups = check_world(sp, nproc)  # --sp: the groups are the schedule's ranks
     source = resolve_model(model) if model is not None else None
@@ -98,7 +107,11 @@ def plan_job(
     shape = (
         model_shape(checkpoint, nproc, torch.bfloat16, dtype, vae_dtype) if checkpoint is not None else None
     )
-    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc, und_resident)
+    job = (nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
+    context = (job, (max_batch_rows, vae_tiling, vae_parts), assignment, cache, max_vision_tokens)
+    estimates, sizing = _sizing(checkpoint, shape, requests, context, (und_resident, max_reason_active))
+    doc["reasoner_sizing"] = sizing.record()
+    sim = simulate_job(assignment.queues, max_active, rule, shape, mode, nproc, *sizing.values)
     doc["simulation"] = sim.to_dict()
     text += ["", plan_text.describe_simulation(sim, rule, max_active, shape is not None)]
     if (chains := transfer_work(requests)) is not None:
@@ -106,11 +119,9 @@ def plan_job(
         text.append(plan_text.describe_transfer(chains, rule.chunk_gap))
     if (work := reason_work(requests, sim)) is not None:
         doc["reason"] = work
-        text.append(describe_reason(work))
+        text += [describe_reason(work), plan_text.describe_sizing(doc["reasoner_sizing"])]
     if shape is not None:
-        job = (nproc, nnodes, mode, max_active, hw, rule.lookahead, sp)
-        vae = (max_batch_rows, vae_tiling, vae_parts)
-        text += _model_section(doc, checkpoint, shape, requests, job, vae, assignment, cache, und_resident)
+        text += _model_section(doc, checkpoint, shape, job, estimates, sizing)
     else:
         text.append(
             "add --model CKPT for memory per rank, bytes moved per pass and a roofline time "
@@ -142,9 +153,13 @@ def _cosmos_samples(prompts: str | list[str], limits, input_format: str) -> list
     return mappings(expand([str(p) for p in inputs])[0], limits, input_format)
 
 
-def _check_flags(nproc: int, nnodes: int, samples: int, sp: int, vae_parts: int, vae_tiling: bool) -> None:
+def _check_flags(
+    nproc: int, nnodes: int, samples: int, sp: int, vae_parts: int, vae_tiling: bool, reason_slots: int | None
+) -> None:
     from cosmos3_batch.requests.fields import MAX_SAMPLES
 
+    if reason_slots is not None and reason_slots < 1:
+        raise ValueError(f"--max-reason-active must be >= 1, got {reason_slots}")
     if nproc < 1 or nnodes < 1 or nproc % nnodes:
         raise ValueError(f"--nproc ({nproc}) must be a positive multiple of --nnodes ({nnodes})")
     if not 1 <= samples <= MAX_SAMPLES:
@@ -199,18 +214,38 @@ def _schedule_section(source, requests: list[Request], assignment: Assignment, n
     return doc, text
 
 
-def _model_section(
-    doc: dict, checkpoint, shape, requests, job: tuple, vae: tuple, assignment, cache, und_resident: bool
-) -> list[str]:
-    """With --model: the weights' format and the estimate (memory, bytes per pass, roofline), into `doc`.
-    `job`: (nproc, nnodes, mode, max_active, hw, lookahead, sp); `vae`: (max_batch_rows, tiling, parts).
-    A job with reasoner decoding (doc["reason"]) and offloaded weights: whether --und-resident fits."""
-    doc["weights"] = weight_format(checkpoint, shape)
-    text = [f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB"]
+def _sizing(checkpoint, shape, requests, context: tuple, flags: tuple) -> tuple:
+    """(und_resident -> plan's estimate, computed once each way; --und-resident and --max-reason-active as
+    `run` decides them, plan/reason_memory.py, for a device of --device-gib). `context`: (job, vae,
+    assignment, cache, max_vision_tokens), job (nproc, nnodes, mode, max_active, hw, lookahead, sp), vae
+    (max_batch_rows, tiling, parts). Without --model there is no shape to size from."""
+    job, vae, assignment, cache, max_vision_tokens = context
+    mode, hw = job[2], job[4]
+    if shape is None:
+        return None, size_reasoner(requests, mode, flags, None, None, None, "a plan without --model")
     tokens = prompt_tokens(checkpoint, requests)
     reuse, order = (cache[1], cache[0].residual_order) if cache else (0.0, None)
     args = (shape, requests, tokens, *job, *vae, assignment, reuse, order)
-    est = estimate(*args, und_resident=und_resident)
+    estimates = functools.cache(lambda und: estimate(*args, und_resident=und))
+    vision = vision_counter(checkpoint.root, max_vision_tokens)
+    return estimates, size_reasoner(
+        requests,
+        mode,
+        flags,
+        int(hw.device_gib * 2**30),
+        lambda und: estimates(und).device_bytes_per_rank,
+        lambda: sequence_kv(shape, requests, tokens, vision),
+    )
+
+
+def _model_section(doc: dict, checkpoint, shape, job: tuple, estimates, sizing: ReasonerSizing) -> list[str]:
+    """With --model: the weights' format and the estimate (memory, bytes per pass, roofline), into `doc`.
+    `job`: (nproc, nnodes, mode, max_active, hw, lookahead, sp). A job with reasoner decoding (doc["reason"])
+    and offloaded weights: whether the UND half fits beside the rest, held or not."""
+    doc["weights"] = weight_format(checkpoint, shape)
+    text = [f"layer weights: {doc['weights']['format']}, {doc['weights']['layer_gib']:.2f} GiB"]
+    held = bool(sizing.und_resident.value)
+    est = estimates(held)
     doc["estimate"] = est.to_dict()
     if not plan_text.resolvable(est):
         doc["estimate"].update(seconds_per_pass=None, outputs_per_hour=None, job_hours=None)
@@ -220,9 +255,8 @@ def _model_section(
         doc["reason"]["decode"] = decode_rates(und_half_bytes(shape), mode, job[:2], hw, doc["reason"])
         text.append(describe_rates(doc["reason"]["decode"], mode))
     if "reason" in doc and mode is not OffloadMode.RESIDENT:  # resident: the UND half is there already
-        with_und = est if und_resident else estimate(*args, und_resident=True)
-        doc["und_resident"] = und_resident_fit(with_und, hw.device_gib, und_resident)
-        text.append(plan_text.describe_und_resident(doc["und_resident"]))
+        doc["und_resident"] = und_resident_fit(estimates(True), hw.device_gib, held)
+        text.append(plan_text.describe_und_resident(doc["und_resident"], sizing.und_resident.chosen_by))
     return text
 
 

@@ -280,9 +280,11 @@ def simulate_job(
     mode: OffloadMode,
     world: int,
     und_resident: bool = False,
+    max_reason_active: int | None = None,
 ) -> Simulation:
     """The pass simulator on this job's schedule, with the engine's part sizes when the model is known
-    (`und_resident`: --und-resident, the UND parts on the device move nothing)."""
+    (`und_resident`: --und-resident, the UND parts on the device move nothing; `max_reason_active`: the
+    reasoner slots per rank, None: as many as `max_active`)."""
     parts = PartBytes()
     if shape is not None:
         gen = [p for p in shape.parts if p.key.endswith(GEN)]
@@ -290,4 +292,5 @@ def simulate_job(
         und_bytes = 0 if und_resident else sum(_bytes_per_pass(und, mode, world))
         parts = PartBytes(sum(_bytes_per_pass(gen, mode, world)), und_bytes)
     sim_queues = [[s for r in queue for s in sim_requests(r, rule.chunk_gap)] for queue in queues]
-    return simulate(sim_queues, max_active, rule, parts, ranks_per_queue=world // max(len(queues), 1))
+    per_queue = world // max(len(queues), 1)
+    return simulate(sim_queues, max_active, rule, parts, True, per_queue, max_reason_active)

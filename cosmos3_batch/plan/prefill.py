@@ -14,6 +14,9 @@ whenever any rank admits a request makes most passes UND passes at scale, so adm
   rank's starved slot has waited `max_wait` passes, or nothing at all is active (the start).
 * On a UND pass every rank admits requests into all its free slots (they prefill and take their
   first step in that pass) and prefills up to `lookahead` more into its ready list.
+* Slots come in two pools (`RankSlots`): `--max-active` for generation requests, `--max-reason-active` for
+  reasoner requests, each filled from its own requests in schedule order and starving on its own; the share
+  rule applies to each pool (`und_pass`'s `reason`), so a job without reasoners passes as it always did.
 
 The decision reads only the per-pass all-reduce's sums, so every rank takes the same one.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
 
@@ -53,16 +57,30 @@ class PrefillRule:
 # Every rank sends these (with its active count, finished count and stop flag) in the per-pass all-reduce.
 @dataclass(frozen=True)
 class SlotReport:
-    starved: int  # free slots that the ready list cannot fill while requests are still queued
+    starved: int  # free generation slots that the ready list cannot fill while such requests are queued
     overdue: int  # 1 when a starved slot here has waited max_wait passes
     pending: int  # queued + ready requests left on this rank
+    reason_starved: int = 0  # the same for the reasoner slots (--max-reason-active)
 
 
-def und_pass(rule: PrefillRule, world_slots: int, active: int, starved: int, overdue: int) -> bool:
-    """The world's decision from the all-reduced sums: fetch the UND halves this pass?"""
-    if starved == 0:
+def und_pass(
+    rule: PrefillRule,
+    world_slots: int,
+    active: int,
+    starved: int,
+    overdue: int,
+    reason: tuple[int, int] = (0, 0),
+) -> bool:
+    """The world's decision from the all-reduced sums: fetch the UND halves this pass? `reason`: (the world's
+    reasoner slots, those starved), a pool of its own under the same share rule (a job without reasoner
+    requests never starves one, so its passes are as before)."""
+    reason_slots, reason_starved = reason
+    if starved == 0 and reason_starved == 0:
         return False
-    return active == 0 or overdue > 0 or starved >= math.ceil(rule.free_share * world_slots)
+    shares = starved >= math.ceil(rule.free_share * world_slots) or (
+        reason_starved > 0 and reason_starved >= math.ceil(rule.free_share * reason_slots)
+    )
+    return active == 0 or overdue > 0 or shares
 
 
 def gen_pass(und: bool, computing: int, admits_gen: int) -> bool:
@@ -73,38 +91,109 @@ def gen_pass(und: bool, computing: int, admits_gen: int) -> bool:
     return computing > 0 or (und and admits_gen > 0)
 
 
+GEN_POOL, REASON_POOL = 0, 1  # the two pools of slots; `active` counts are (generation, reasoner) pairs
+
+
+def pools(active: int | tuple[int, int]) -> tuple[int, int]:
+    """An active count as (generation, reasoner): a bare int is generation requests alone."""
+    return (active, 0) if isinstance(active, int) else active
+
+
 class RankSlots:
     """One rank's queue and ready list: which requests to activate, and when to prefill which.
 
-    Items are opaque: the runner stores RequestJob / Request objects, the simulator its stand-ins."""
+    Two pools of slots: `max_active` for generation requests (and the reasoner stages chained to one, which
+    ride its slot), `max_reason` for reasoner requests (`reasoner(item)` tells an item's pool: a request in
+    the queue, a job in the ready list). The queue is kept per pool, each in schedule order, so that a full
+    pool never holds up the other's admissions; the look-ahead takes the next requests of both in schedule
+    order. Items are opaque: the runner stores RequestJob / Request objects, the simulator its stand-ins."""
 
-    def __init__(self, queue: deque, max_active: int, rule: PrefillRule):
-        self.queue = queue  # not yet admitted (requests)
+    def __init__(
+        self,
+        queue: Iterable,
+        max_active: int,
+        rule: PrefillRule,
+        max_reason: int | None = None,
+        reasoner: Callable[[object], bool] | None = None,
+    ):
+        self.reasoner = reasoner if reasoner is not None else (lambda item: False)
+        self.sizes = (max_active, max_active if max_reason is None else max_reason)
+        self.queues: tuple[deque, deque] = (deque(), deque())  # not yet admitted (requests), per pool
+        self._places: tuple[deque, deque] = (deque(), deque())  # their places in the schedule
+        for place, item in enumerate(queue):
+            pool = int(self.reasoner(item))
+            self.queues[pool].append(item)
+            self._places[pool].append(place)
+        self._first = 0  # the place before every queued one: requeued requests go first
         self.ready: deque = deque()  # admitted and prefilled, waiting for a slot (jobs)
-        self.max_active = max_active
         self.rule = rule
         self.waited = 0  # passes the oldest starved slot has waited
 
-    def take_ready(self, active: int) -> list:
-        """Before the exchange: prefilled jobs that move into free slots now (no UND needed)."""
-        n = min(self.max_active - active, len(self.ready))
-        return [self.ready.popleft() for _ in range(n)]
+    @property
+    def queued(self) -> int:
+        return len(self.queues[0]) + len(self.queues[1])
 
-    def report(self, active: int) -> SlotReport:
-        free = self.max_active - active
-        starved = free if self.queue else 0
-        self.waited = self.waited + 1 if starved else 0
-        overdue = int(starved > 0 and self.waited > self.rule.max_wait)
-        return SlotReport(starved, overdue, len(self.queue) + len(self.ready))
+    def waiting(self) -> list:
+        """The requests not admitted yet, in schedule order."""
+        return [item for _, item in sorted(self._indexed(), key=lambda pair: pair[0])]
 
-    def admitting(self, active: int) -> list:
+    def requeue(self, items: list) -> None:
+        """Back at the head of the queue, in this order (a request whose prompt was just upsampled)."""
+        for item in reversed(items):
+            pool = int(self.reasoner(item))
+            self._first -= 1
+            self.queues[pool].appendleft(item)
+            self._places[pool].appendleft(self._first)
+
+    def _free(self, active: int | tuple[int, int]) -> list[int]:
+        return [size - n for size, n in zip(self.sizes, pools(active), strict=True)]
+
+    def take_ready(self, active: int | tuple[int, int]) -> list:
+        """Before the exchange: prefilled jobs that move into free slots of their pool now (no UND needed)."""
+        free, taken, kept = self._free(active), [], deque()
+        for item in self.ready:
+            pool = int(self.reasoner(item))
+            if free[pool] > 0:
+                free[pool] -= 1
+                taken.append(item)
+            else:
+                kept.append(item)
+        self.ready = kept
+        return taken
+
+    def report(self, active: int | tuple[int, int]) -> SlotReport:
+        starved = [n if queue else 0 for n, queue in zip(self._free(active), self.queues, strict=True)]
+        self.waited = self.waited + 1 if any(starved) else 0
+        overdue = int(any(starved) and self.waited > self.rule.max_wait)
+        return SlotReport(starved[0], overdue, self.queued + len(self.ready), starved[1])
+
+    def admitting(self, active: int | tuple[int, int]) -> list:
         """Before the exchange: the requests `admissions` takes into free slots if this is a UND pass."""
-        return list(islice(self.queue, max(self.max_active - active, 0)))
+        free = self._free(active)
+        return [item for pool in (0, 1) for item in islice(self.queues[pool], max(free[pool], 0))]
 
-    def admissions(self, active: int) -> tuple[list, list]:
-        """On a UND pass: (requests admitted into free slots, requests prefilled into the ready list)."""
-        now = [self.queue.popleft() for _ in range(min(self.max_active - active, len(self.queue)))]
-        ahead = min(self.rule.lookahead - len(self.ready), len(self.queue))
-        later = [self.queue.popleft() for _ in range(max(ahead, 0))]
+    def admissions(self, active: int | tuple[int, int]) -> tuple[list, list]:
+        """On a UND pass: (requests admitted into free slots, requests prefilled into the ready list), each in
+        schedule order."""
+        free = self._free(active)
+        now = [
+            self._pop(pool) for pool in (0, 1) for _ in range(min(max(free[pool], 0), len(self.queues[pool])))
+        ]
+        now = [item for _, item in sorted(now, key=lambda pair: pair[0])]
+        ahead = min(self.rule.lookahead - len(self.ready), self.queued)
+        later = [self._pop(self._next_pool())[1] for _ in range(max(ahead, 0))]
         self.waited = 0
         return now, later
+
+    def _pop(self, pool: int) -> tuple[int, object]:
+        return self._places[pool].popleft(), self.queues[pool].popleft()
+
+    def _next_pool(self) -> int:
+        """The pool whose next request comes first in the schedule."""
+        if not self.queues[0] or not self.queues[1]:
+            return 0 if self.queues[0] else 1
+        return 0 if self._places[0][0] < self._places[1][0] else 1
+
+    def _indexed(self):
+        for pool in (0, 1):
+            yield from zip(self._places[pool], self.queues[pool], strict=True)

@@ -35,12 +35,13 @@ def reason_work(requests, sim: Simulation) -> dict | None:
     }
 
 
-def und_resident_fit(est, device_gib: float, requested: bool) -> dict:
+def und_resident_fit(est, device_gib: float, held: bool) -> dict:
     """`est`: the estimate with --und-resident (plan/planner.py `estimate(und_resident=True)`): the UND half's
-    bytes per rank, the device bytes per rank with it, and whether they fit `device_gib` (--device-gib)."""
+    bytes per rank, the device bytes per rank with it, and whether they fit `device_gib` (--device-gib).
+    `held`: the UND half stays on the device (the flag, or plan/reason_memory.py's default)."""
     total = est.device_bytes_per_rank
     return {
-        "requested": requested,
+        "held": held,
         "und_bytes_per_rank": est.device_breakdown.get("und_resident", 0),
         "device_bytes_per_rank": total,
         "device_gib": device_gib,

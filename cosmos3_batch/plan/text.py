@@ -90,6 +90,8 @@ def describe_simulation(sim: Simulation, rule: PrefillRule, max_active: int, wit
         f"simulated passes        {sim.passes:,} ({fetched}; {rule_text})",
         f"mean slot occupancy     {sim.occupancy:.1%}",
     ]
+    if sim.reason_occupancy:  # reasoner requests in their own slots (--max-reason-active)
+        lines.append(f"reasoner slots          {sim.reason_occupancy:.1%} occupied")
     if with_bytes:
         lines += [
             f"weight bytes per output {_size(sim.bytes_per_output)} (UND halves: {sim.und_byte_share:.1%})",
@@ -115,22 +117,36 @@ def _memory_rows(est: Estimate) -> list[tuple[str, str]]:
     ]
 
 
-def describe_und_resident(fit: dict) -> str:
+def describe_und_resident(fit: dict, chosen_by: str) -> str:
     """The --und-resident line of a job with reasoner decoding: the UND half's bytes per rank and whether the
-    device holds them beside the rest (given: the device line counts them; not given: what it would be)."""
+    device holds them beside the rest (held: the device line counts them; else what it would be)."""
     und, total = _size(fit["und_bytes_per_rank"]), _size(fit["device_bytes_per_rank"])
-    verdict = "fits" if fit["fits"] else "does not fit"
-    if fit["requested"]:
+    verdict = f"{'fits' if fit['fits'] else 'does not fit'} --device-gib {fit['device_gib']:g}"
+    if fit["held"]:
         advice = "" if fit["fits"] else ": drop --und-resident (the UND parts then stream through one slot)"
         return (
             f"--und-resident: the UND half, {und} per rank (counted in the device line), "
-            f"{total} per rank in all: {verdict} --device-gib {fit['device_gib']:g}{advice}"
+            f"{total} per rank in all: {verdict}{advice}"
         )
-    advice = ": add --und-resident to move no UND bytes per generated token" if fit["fits"] else ""
+    advice = ""
+    if fit["fits"] and chosen_by == "flag":
+        advice = ": drop --no-und-resident to move no UND bytes per generated token"
+    held = f"--und-resident would hold the UND half, {und} per rank: {total} per rank in all"
+    return f"{held}, {verdict}{advice}"
+
+
+def describe_sizing(record: dict) -> str:
+    """What the reasoner takes of device memory, as taken and why (plan/reason_memory.py): the line `run`'s
+    summary.json records in its config too."""
+    slots, und = record["max_reason_active"], record["und_resident"]
     return (
-        f"--und-resident would hold the UND half, {und} per rank: {total} per rank in all, "
-        f"{verdict} --device-gib {fit['device_gib']:g}{advice}"
+        f"reasoner memory: --max-reason-active {slots['value']} ({_source(slots)}), "
+        f"--{'' if und['value'] else 'no-'}und-resident ({_source(und)})"
     )
+
+
+def _source(decision: dict) -> str:
+    return "given" if decision["chosen_by"] == "flag" else f"default: {decision['why']}"
 
 
 def _size(nbytes: float) -> str:

@@ -1,6 +1,7 @@
 """The benchmark's peers: other schemes placing the same layers (PyTorch FSDP2, diffusers group
-offloading, and a resident control) behind the runner's LayerWeights protocol, and `peer_worker`, one rank
-that drives the CLI's own planning, schedule and pass loop with a peer placing the layers."""
+offloading, and a resident control) behind the runner's LayerWeights protocol (passes/weights.py), and
+`peer_worker`, one rank that drives the CLI's own planning, schedule and pass loop with a peer placing the
+layers."""
 
 from __future__ import annotations
 

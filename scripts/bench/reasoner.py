@@ -42,7 +42,7 @@ def run(ckpt: Path, count: int, tokens: int, folder: Path, world: int) -> dict:
         "--out",
         str(out),
         "--no-progress",
-        "--max-active",
+        "--max-reason-active",  # the reasoner sequences sharing a rank's passes (their own slots)
         str(count),
     ]
     launch = [sys.executable, "-m", "cosmos3_batch"]

@@ -17,11 +17,12 @@ from tests.dist.test_runs import assert_lockstep, assert_simulated, layer_bytes
 from tests.unit.test_reasoner_fidelity import T2I, _expected, _rows
 
 pytestmark = pytest.mark.dist
-# (offload, --max-active, --prefill-lookahead, --sp): one slot with two prefilled ahead takes the ahead
-# path; --sp 2: both ranks decode each sequence alike (UND is replicated in a group), the lead writes;
-# --und-resident: the UND halves on the device, only GEN parts gathered.
+# (offload, --max-active, --prefill-lookahead, --sp): one reasoner slot with two prefilled ahead takes the
+# ahead path; --sp 2: both ranks decode each sequence alike (UND is replicated in a group), the lead writes;
+# --und-resident: the UND halves on the device, only GEN parts gathered. The reasoner slots are the CPU
+# default (8) but where EXTRA says.
 CONFIGS = [("allgather", 4, 0, 1), ("local", 1, 2, 1), ("allgather", 3, 0, 2), ("allgather", 4, 1, 1)]
-EXTRA = {3: ["--und-resident"]}
+EXTRA = {1: ["--max-reason-active", "1"], 3: ["--und-resident"]}
 
 
 def test_reasoner_under_torchrun_world_2_equals_generate(tiny_reasoner_ckpt, cond_image, tmp_path):

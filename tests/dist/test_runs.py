@@ -86,11 +86,13 @@ def assert_simulated(
     sp: int = 1,
     extra: tuple[str, ...] = (),
 ) -> None:
-    """`plan --json`'s pass simulator predicted this run's passes, UND passes, GEN passes, bytes and
-    occupancy exactly. `extra`: more of the run's flags that `plan` takes too (--und-resident)."""
-    world = len(summary["ranks"])
+    """`plan --json`'s pass simulator predicted this run's passes, UND passes, GEN passes, bytes and the
+    occupancy of both pools of slots exactly. `extra`: more of the run's flags that `plan` takes too; the
+    reasoner's slots and UND residency are the run's as taken (summary.json's config)."""
+    world, config = len(summary["ranks"]), summary["config"]
     args = ["plan", str(prompts), "--model", str(tiny_ckpt), "--nproc", str(world), "--offload", mode]
-    args += ["--sp", str(sp), *extra]
+    args += ["--sp", str(sp), *extra, "--max-reason-active", str(config["max_reason_active"])]
+    args += ["--und-resident" if config["und_resident"] else "--no-und-resident"]
     args += ["--max-active", str(max_active), "--prefill-free-share", str(rule.free_share)]
     args += ["--prefill-max-wait", str(rule.max_wait), "--prefill-lookahead", str(rule.lookahead), "--json"]
     args += ["--chunk-gap-passes", str(rule.chunk_gap)]
@@ -102,8 +104,11 @@ def assert_simulated(
     assert isinstance(sim["passes"], int) and isinstance(sim["und_passes"], int)
     assert [r["gen_passes"] for r in ranks] == [sim["gen_passes"]] * world
     assert [r["h2d_bytes"] + r["gathered_bytes"] for r in ranks] == [sim["bytes_per_rank"]] * world
-    active = sum(r["active_sum"] for r in ranks) // sp  # an --sp group's requests count once
+    reasoning = sum(r["reason_active_sum"] for r in ranks) // sp  # an --sp group's requests count once
+    active = sum(r["active_sum"] for r in ranks) // sp - reasoning
     assert active == round(sim["occupancy"] * sim["passes"] * (world // sp) * max_active)
+    slot_passes = sim["passes"] * (world // sp) * config["max_reason_active"]
+    assert reasoning == round(sim["reason_occupancy"] * slot_passes)
 
 
 def assert_lockstep(summary: dict, world_size: int) -> None:

@@ -210,8 +210,20 @@ def test_help_explains_every_flag():
         "--vae-tiling",
         "--skip-invalid",
         "--overwrite",
+        "--max-reason-active",
+        "--und-resident",
+        "--no-und-resident",
     ):
         assert flag in text
+    assert "--max-reason-active" in invoke("plan", "--help").output
+
+
+def test_max_reason_active_below_1_is_refused_before_loading(tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "r", "prompt": "Describe.", "reason": {}}])
+    for command in (["run", prompts, "--out", tmp_path / "out"], ["plan", prompts]):
+        result = invoke(*command, "--max-reason-active", "0")
+        assert result.exit_code == 2 and "--max-reason-active must be >= 1, got 0" in result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_python_dash_m_entry_point(job, tiny_ckpt):

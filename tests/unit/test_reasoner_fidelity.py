@@ -60,7 +60,9 @@ def test_token_ids_equal_generate_eight_sharing_passes_with_t2i(eos_ckpt, cond_i
     rows = _rows(cond_image)
     rows[3]["samples"] = 5  # seeds 3..7: eight sequences in all, sharing every pass they overlap on
     prompts = write_jsonl(tmp_path / "p.jsonl", [*rows, T2I])
-    _run(eos_ckpt, prompts, tmp_path / "out", "--max-active", "8", "--save-latents")
+    _run(
+        eos_ckpt, prompts, tmp_path / "out", "--max-active", "1", "--max-reason-active", "8", "--save-latents"
+    )
     sidecars = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("*.json"))]
     reasoned = {s["id"]: s for s in sidecars if s.get("kind") == "reason"}
     assert len(reasoned) == 8
@@ -86,7 +88,7 @@ def test_token_ids_equal_generate_eight_sharing_passes_with_t2i(eos_ckpt, cond_i
 def test_one_sequence_a_pass_and_the_outputs_and_resume(eos_ckpt, cond_image, tmp_path):
     rows = _rows(cond_image)[1:3]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    _run(eos_ckpt, prompts, tmp_path / "out", "--max-active", "1")
+    _run(eos_ckpt, prompts, tmp_path / "out", "--max-active", "1", "--max-reason-active", "1")
     for row in rows:
         sidecar = json.loads((tmp_path / "out" / f"{row['id']}.json").read_text())
         assert sidecar["reason"]["token_ids"] == _expected(eos_ckpt, row), row["id"]

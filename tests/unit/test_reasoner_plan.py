@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from types import SimpleNamespace
 
 from typer.testing import CliRunner
 
@@ -19,10 +20,14 @@ T2V = {"prompt": "a ball rolls", "size": "32x32", "num_frames": 5, "num_inferenc
 
 def test_every_pass_with_an_active_reasoner_is_a_und_pass():
     queues = [[SimRequest("g", 6), SimRequest("r", 3, decodes=True)], [SimRequest("g2", 9)]]
-    sim = simulate(queues, 1, PrefillRule(1.0, 0, 0))
-    # rank 0: g on passes 0-5, r on 6-8 (each UND); rank 1: g2 on 0-8. UND: pass 0, pass 6 (admits r), 7, 8.
-    assert (sim.passes, sim.und_passes, sim.outputs) == (9, 4, 3)
+    sim = simulate(queues, 1, PrefillRule(1.0, 0, 0), max_reason_active=1)
+    # rank 0: g on passes 0-5 and r in its reasoner slot on 0-2 (each UND); rank 1: g2 on 0-8. UND: 0-2.
+    assert (sim.passes, sim.und_passes, sim.outputs) == (9, 3, 3)
     assert sim.decode_passes == 3
+    queues = [[SimRequest("g", 6), SimRequest("r", 3, decodes=True, chained=True)], [SimRequest("g2", 9)]]
+    sim = simulate(queues, 1, PrefillRule(1.0, 0, 0), max_reason_active=1)
+    # A caption stage rides the generation slot: r on passes 6-8 (UND: pass 0, pass 6 admits r, 7, 8).
+    assert (sim.passes, sim.und_passes, sim.outputs, sim.decode_passes) == (9, 4, 3, 3)
 
 
 def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_path):
@@ -46,7 +51,10 @@ def test_simulated_passes_equal_a_mixed_run(tiny_reasoner_ckpt, cond_image, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"][0]["und_passes"] > 2  # the reasoners' passes fetched UND
     assert_simulated(summary, planned, tiny_reasoner_ckpt, "allgather", 2, PrefillRule())
-    plan = CliRunner().invoke(app, ["plan", str(planned), "--model", str(tiny_reasoner_ckpt), "--json"])
+    # The run was on the CPU device: the UND half streamed (plan alone would hold it on an 80 GiB device).
+    assert summary["config"]["reasoner_sizing"]["und_resident"]["value"] is False
+    plan_args = ["plan", str(planned), "--model", str(tiny_reasoner_ckpt), "--json", "--no-und-resident"]
+    plan = CliRunner().invoke(app, plan_args)
     work = json.loads(plan.output)["reason"]
     tokens = sum(row["reason"]["max_new_tokens"] for row in rows[1:3])
     assert (work["requests"], work["tokens_planned"]) == (2, tokens)
@@ -61,12 +69,12 @@ def _timeline(out) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _run_planned(ckpt, rows: list[dict], folder, max_active: int) -> tuple[dict, list[dict]]:
+def _run_planned(ckpt, rows: list[dict], folder, max_active: int, *flags: str) -> tuple[dict, list[dict]]:
     """Run the requests, then hold `plan`'s simulator to the run with each reasoner's budget its tokens in the
     run (EOS may end one sooner): (rank 0's report, its pass timeline)."""
     prompts = write_jsonl(folder / "p.jsonl", rows)
     out = folder / "out"
-    args = ["run", str(prompts), "--model", str(ckpt), "--out", str(out), "--no-progress"]
+    args = ["run", str(prompts), "--model", str(ckpt), "--out", str(out), "--no-progress", *flags]
     result = CliRunner().invoke(app, [*args, "--max-active", str(max_active)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     planned = [dict(row) for row in rows]
@@ -190,22 +198,34 @@ def test_plan_counts_the_und_half_with_und_resident_and_says_whether_it_fits(tin
         doc = json.loads(CliRunner().invoke(app, [*args, "--json"], catch_exceptions=False).output)
         return doc, text
 
-    (with_und, text), (without, hint) = plan("--und-resident"), plan()
+    (with_und, text), (without, hint) = plan("--und-resident"), plan("--no-und-resident")
     held, streamed = with_und["estimate"], without["estimate"]
     assert held["device_breakdown"]["und_resident"] == und > 0  # whole on each of the 2 ranks: not a shard
     assert "und_resident" not in streamed["device_breakdown"]
     assert sum(held["device_breakdown"].values()) == held["device_bytes_per_rank"]
     assert held["device_breakdown"]["slots"] < streamed["device_breakdown"]["slots"]  # no UND slot
     fit = with_und["und_resident"]
-    assert fit == {**without["und_resident"], "requested": True}  # the same figures, asked for or not
+    assert fit == {**without["und_resident"], "held": True}  # the same figures, held or not
     assert fit["und_bytes_per_rank"] == und and fit["device_bytes_per_rank"] == held["device_bytes_per_rank"]
     assert fit["fits"] and "--und-resident: the UND half" in text and "fits --device-gib 80" in text
-    assert "add --und-resident" in hint
-    # 1 GiB: not even the CUDA runtime's constants (1.06 GiB) fit.
+    assert "drop --no-und-resident" in hint
+    # Left to the job, it is held: it fits the 80 GiB device (the decision `run` takes on such a GPU).
+    auto, auto_text = plan()
+    decision = auto["reasoner_sizing"]["und_resident"]
+    assert auto["estimate"] == held and auto["und_resident"] == fit
+    assert (decision["value"], decision["chosen_by"]) == (True, "default") and "fits 80.00 GiB" in decision[
+        "why"
+    ]
+    assert "--und-resident (default: the device estimate with the UND half" in auto_text
+    # 1 GiB: not even the CUDA runtime's constants (1.06 GiB) fit: forced, it is said; left to the job, off.
     small, small_text = plan("--und-resident", "--device-gib", "1")
     assert (
         not small["und_resident"]["fits"] and "does not fit --device-gib 1: drop --und-resident" in small_text
     )
+    small, small_text = plan("--device-gib", "1")
+    assert small["reasoner_sizing"]["und_resident"]["value"] is False and not small["und_resident"]["held"]
+    assert "does not fit 1.00 GiB" in small["reasoner_sizing"]["und_resident"]["why"]
+    assert "und_resident" not in small["estimate"]["device_breakdown"]
     resident, _ = plan("--offload", "resident", "--und-resident")  # every part is on the device already
     assert "und_resident" not in resident and "und_resident" not in resident["estimate"]["device_breakdown"]
 
@@ -237,3 +257,47 @@ def test_plan_prices_a_decode_pass_both_ways(tiny_reasoner_ckpt, tmp_path):
     assert copy > compute > hbm  # each branch of the max taken somewhere: a slow host link, slow GEMMs
     assert f"{copy * 1e3:.1f} ms streaming the UND parts (--offload allgather)" in text
     assert f"{compute * 1e3:.1f} ms with the UND half on the device" in text
+
+
+def test_reasoners_beyond_max_active_share_passes_while_t2i_holds_the_generation_slot(
+    tiny_reasoner_ckpt, cond_image, tmp_path
+):
+    """Issue 44 item 3: 6 reasoner requests and 2 T2I at --max-active 1 --max-reason-active 4 (world 1), both
+    kinds on one queue in schedule order. The T2I requests hold the one generation slot one after the other
+    (GEN parts on exactly their 8 steps, the first 8 passes) while 4 reasoner sequences share each pass beside
+    them: neither kind waits for the other's slots. Token ids equal `generate`'s; `plan` predicts the passes,
+    UND and GEN passes, bytes and both pools' occupancy exactly; summary.json and `plan` record the value."""
+    from cosmos3_batch.plan.reason_memory import vision_counter
+    from cosmos3_batch.requests.reason import ReasonSpec
+    from tests.reasoner_reference import reference_ids
+
+    prompts = ["Describe.", "What is it?", "Name a colour.", "Count to three.", "Say hello.", "Why?"]
+    reasoners = [{"id": f"r{i}", "prompt": p, "reason": {"max_new_tokens": 6}} for i, p in enumerate(prompts)]
+    reasoners[1]["image"] = str(cond_image)
+    t2i = [{"id": f"t2i-{k}", **T2V, "num_frames": 1, "num_inference_steps": 4} for k in range(2)]
+    rows = [t2i[0], *reasoners[:3], t2i[1], *reasoners[3:]]
+    rank, timeline = _run_planned(tiny_reasoner_ckpt, rows, tmp_path, 1, "--max-reason-active", "4")
+    out = tmp_path / "out"
+    sidecars = {row["id"]: json.loads((out / f"{row['id']}.json").read_text()) for row in reasoners}
+    for row in reasoners:
+        spec = ReasonSpec(**row["reason"])
+        expected = reference_ids(tiny_reasoner_ckpt, row["prompt"], spec, 0, row.get("image"))
+        assert sidecars[row["id"]]["reason"]["token_ids"] == expected, row["id"]
+    tokens = sum(s["reason"]["generated_tokens"] for s in sidecars.values())
+    assert rank["reason_active_sum"] == tokens  # a reasoner is active one pass a token, in a reasoner slot
+    assert rank["active_sum"] - tokens == 2 * 4  # the T2I requests' steps, in the generation slot
+    assert int(timeline[0]["active"]) == 5  # the first T2I and 4 reasoner sequences share pass 0
+    assert max(int(p["active"]) for p in timeline) == 5
+    assert rank["gen_passes"] == 8 and [p["gen"] for p in timeline[:8]] == ["True"] * 8
+    summary = json.loads((out / "summary.json").read_text())
+    sizing = summary["config"]["reasoner_sizing"]
+    assert summary["config"]["max_reason_active"] == 4 and sizing["max_reason_active"]["chosen_by"] == "flag"
+    assert summary["config"]["und_resident"] is False and "the CPU device" in sizing["und_resident"]["why"]
+    # The vision tokens plan sizes a sequence's K/V with are the processor's (the image header's resize).
+    assert (
+        vision_counter(tiny_reasoner_ckpt, 65536)(SimpleNamespace(image=str(cond_image), video=None))
+        == (sidecars["r1"]["reason"]["vision_tokens"])
+    )
+    args = ["plan", str(tmp_path / "planned.jsonl"), "--model", str(tiny_reasoner_ckpt), "--max-active", "1"]
+    text = CliRunner().invoke(app, [*args, "--max-reason-active", "4"], catch_exceptions=False).output
+    assert "reasoner memory: --max-reason-active 4 (given)" in text

@@ -9,14 +9,14 @@ import threading
 from tqdm import tqdm
 
 from cosmos3_batch.config import RunConfig
-from cosmos3_batch.io.metrics import write_passes
+from cosmos3_batch.io.metrics import PassRecord, write_passes
 from cosmos3_batch.io.space import disk_errno
 from cosmos3_batch.parallel.stall import peer_failure
 from cosmos3_batch.parallel.stop import StopRequest
 from cosmos3_batch.parallel.vae_group import GroupBroken
 from cosmos3_batch.parallel.world import World
 from cosmos3_batch.pipeline.finish.results import ResultWriter
-from cosmos3_batch.pipeline.passes.runner import PassRecord, PassRunner
+from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.requests.parse import Request
 
 log = logging.getLogger("cosmos3_batch")

@@ -46,6 +46,7 @@ from cosmos3_batch.pipeline.job.load import Loaded, load_model
 from cosmos3_batch.pipeline.job.resume import prepare_out, share_split, split_complete
 from cosmos3_batch.pipeline.job.run_plan import Plan
 from cosmos3_batch.pipeline.job.screen import guardrails_on, screen
+from cosmos3_batch.pipeline.job.sizing import device_memory, size_run, smallest
 from cosmos3_batch.pipeline.job.summary import describe_invalid, preview, rank_report
 from cosmos3_batch.pipeline.passes.monitor import JobMonitor, final_counts, start_monitor
 from cosmos3_batch.pipeline.passes.runner import PassRunner
@@ -190,14 +191,17 @@ def _output_size(cfg: RunConfig, checkpoint: Checkpoint):
     return lambda r: output_bytes(r, cfg.save_latents, channels, spatial, temporal)
 
 
-def _check_same_plan(world: World, plan: Plan) -> None:
-    # Every rank planned from the same files; if they disagree (a file changed mid-start) the schedules
-    # would differ: stop now on every rank rather than generate some requests twice and others never.
+def _check_same_plan(world: World, plan: Plan) -> int | None:
+    """Every rank planned from the same files; if they disagree (a file changed mid-start) the schedules
+    would differ: stop now on every rank rather than generate some requests twice and others never. The same
+    gather carries each rank's device memory: the smallest is what the job sizes the reasoner from."""
     digest = hashlib.sha256("".join(r.content_hash() for r in plan.requests).encode()).hexdigest()
-    if len(set(world.all_gather_object(digest))) != 1:
+    gathered = world.all_gather_object((digest, device_memory(world.device)))
+    if len({d for d, _ in gathered}) != 1:
         raise RuntimeError(
             "ranks planned different request lists (did the JSONL or --out change during start?)"
         )
+    return smallest([figure for _, figure in gathered])
 
 
 def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outcome:
@@ -208,13 +212,14 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
     monitor = start_monitor(cfg, world.world_size, started) if world.is_main else None
     final = None
     try:
-        plan = _plan_everywhere(cfg, world)
+        plan, device_bytes = _plan_everywhere(cfg, world)
         if not plan.requests:  # nothing to do: no weight is read, no bar is shown
             if monitor is not None:
                 monitor.counts(0, len(plan.complete))
             _phase(monitor, "ending")
             return end_run(cfg, world, plan, [], started)
         _agreed(world, _pin_encoder)
+        cfg, plan.sizing = size_run(cfg, world, plan, device_bytes)  # the same on every rank (job/sizing.py)
         # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
         mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
         _phase(monitor, "loading")
@@ -304,11 +309,13 @@ def _runner(cfg: RunConfig, loaded: Loaded, writer: ResultWriter, bar: Progress,
         cache=cfg.cache,
         upsampled=UpsampleStore(cfg.out, writer.model_identity),  # read only for upsampled requests
         text_check=None if writer.guard is None else writer.guard.text,  # upsampled prompts, where guarded
+        max_reason_active=cfg.max_reason_active,
     )
 
 
-def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
-    """The same plan on every rank (checked), the bookkeeping folder made and stale temporaries removed."""
+def _plan_everywhere(cfg: RunConfig, world: World) -> tuple[Plan, int | None]:
+    """The same plan on every rank (checked), the bookkeeping folder made and stale temporaries removed; and
+    the device memory the job sizes the reasoner from (`_check_same_plan`)."""
     stdin = None
     if STDIN in cfg.prompts:  # rank 0 reads it; under torchrun the others must not race it for the bytes
         stdin = world.all_gather_object(sys.stdin.buffer.read() if world.is_main else None)[0]
@@ -319,7 +326,7 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
         state_dir(cfg.out)  # the bookkeeping folder, made by one rank before the ranks meet
         if stale := prepare_out(cfg, plan.dataset, plan.requests):
             log.info("removed %d temporary file(s) left by an interrupted run", stale)
-    _check_same_plan(world, plan)  # also the barrier after which no rank looks at stale temporaries
+    device_bytes = _check_same_plan(world, plan)  # also the barrier after which no rank looks at temporaries
     log.info(
         "%d requests to generate, %d already complete%s, %d invalid",
         len(plan.requests),
@@ -329,7 +336,7 @@ def _plan_everywhere(cfg: RunConfig, world: World) -> Plan:
     )
     if plan.invalid and world.is_main:
         log.warning("skipped (--skip-invalid):\n%s", describe_invalid(plan.invalid))
-    return plan
+    return plan, device_bytes
 
 
 def _agreed(world: World, step):

@@ -22,3 +22,4 @@ class Plan:
         default_factory=Dataset
     )  # the format and layout the outputs are written in (io/dataset.py)
     guardrails: bool = False  # the job runs NVIDIA's guardrails (pipeline/job/screen.py)
+    sizing: dict | None = None  # --max-reason-active and --und-resident as taken, and why (job/sizing.py)

@@ -64,8 +64,10 @@ def rank_report(world: World, runner: PassRunner, writer: ResultWriter, gathers:
         "forwards_reused": runner.forwards[1],  # ... and that reused a cached residual
         "und_runs": runner.apply.und_runs,
         "gen_runs": runner.apply.gen_runs,
-        # Requests active per pass, summed: / (passes x max_active) is the mean slot occupancy.
+        # Requests active per pass, summed: those in generation slots / (passes x max_active) is their mean
+        # occupancy; those in reasoner slots (of them) / (passes x max_reason_active) the reasoner slots'.
         "active_sum": sum(record.active for record in runner.timeline),
+        "reason_active_sum": runner.reason_active_sum,
     }
 
 
@@ -100,6 +102,9 @@ def build_summary(
             **(cfg.model_source.record() if cfg.model_source else {"model": str(plan.model_dir)}),
             "samples_per_prompt": cfg.samples_per_prompt,
             "max_active": cfg.max_active,
+            "max_reason_active": cfg.max_reason_active,  # as taken (null: nothing ran): `reasoner_sizing`
+            "und_resident": cfg.und_resident,
+            "reasoner_sizing": plan.sizing,  # each of the two: its value, "flag" or "default", and why
             "offload": cfg.offload.value,
             "world_size": world.world_size,
             "sp": cfg.sp,

@@ -41,6 +41,14 @@ def has_gen_work(request: Request) -> bool:
     return job_class(request) is not ReasonJob
 
 
+def takes_reason_slot(item: Request | RequestJob) -> bool:
+    """A request (queued) or its job (prefilled ahead, active) that takes a reasoner slot (plan/prefill.py
+    RankSlots, --max-reason-active): a reasoner request. The reasoner stages chained to a generation request
+    (its upsampling, its captions) ride that request's generation slot."""
+    request = item.request if isinstance(item, RequestJob) else item
+    return job_class(request) is ReasonJob
+
+
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 

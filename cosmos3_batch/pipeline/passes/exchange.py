@@ -21,7 +21,7 @@ class Exchanged:
     """What the per-pass all-reduce tells every rank about the whole world (sums over ranks)."""
 
     active: int  # requests active on all ranks this pass (before this pass's admissions)
-    starved: int  # free slots that no prefilled request can fill while requests are queued
+    starved: int  # free generation slots that no prefilled request can fill while such requests are queued
     overdue: int  # ranks whose starved slot has waited --prefill-max-wait passes
     pending: int  # requests queued or prefilled, not yet active
     und: bool  # some active request needs the UND parts anyway (the --no-und-cache ablation)
@@ -37,6 +37,7 @@ class Exchanged:
     # Requests with GEN work that the ranks admit if this is a UND pass (a reasoner's has none): with
     # `computing`, whether the pass fetches the GEN parts (runner.py `_fetches`).
     admits_gen: int = 0
+    reason_starved: int = 0  # `starved` of the reasoner slots (--max-reason-active)
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,16 @@ class Figures:
 
 
 EXCHANGE = phase("all_reduce")  # "the per-pass exchange", as the line that ends a stalled job says it
-# [active, starved, overdue, pending, needs-UND, finished, stop, computing branches, GEN admissions]
-FLAGS = 9
+# [active, starved, overdue, pending, needs-UND, finished, stop, computing branches, GEN admissions,
+#  starved reasoner slots]
+FLAGS = 10
 FIGURES = 3  # [failed, weight bytes, stall microseconds]; then one slot per rank: its last wait, in ms
 
 
 class PassSync:
     """The one collective per pass. Also keeps a trace of the collectives the pass loop issues.
 
-    The group is a host (gloo) group on every backend: 12 + world-size integers need no device, and a device
+    The group is a host (gloo) group on every backend: 13 + world-size integers need no device, and a device
     tensor here would cost two device syncs per pass (the copy in and `.tolist()`). Each rank writes its
     last wait into its own slot (zeros elsewhere), so the sum is every rank's value.
 
@@ -97,7 +99,7 @@ class PassSync:
         self.all_reduces += 1
         self.note_world(f"all_reduce:{FLAGS + FIGURES + self.world_size}")
         values = [active, slots.starved, slots.overdue, slots.pending, int(needs_und), finished, int(stop)]
-        values += [computing, admits_gen]
+        values += [computing, admits_gen, slots.reason_starved]
         values += [figures.failed, figures.weight_bytes, round(figures.stall_s * 1e6)]
         waits = [0] * self.world_size
         waits[self.rank] = round(self._waited_s * 1e3)
@@ -111,11 +113,11 @@ class PassSync:
         self.last_exchange = time.monotonic()
         self._waited_s, self.waiting_since = self.last_exchange - self.waiting_since, None
         flags, (failed, moved, stall_us) = values[:FLAGS], values[FLAGS : FLAGS + FIGURES]
-        total, starved, overdue, pending, und, done, stops, computing, admits_gen = flags
+        total, starved, overdue, pending, und, done, stops, computing, admits_gen, reason_starved = flags
         waited = tuple(ms / 1e3 for ms in values[FLAGS + FIGURES :])
         return Exchanged(
             total, starved, overdue, pending, und > 0, done, stops > 0, failed, moved, stall_us / 1e6, waited,
-            computing=computing, admits_gen=admits_gen,
+            computing=computing, admits_gen=admits_gen, reason_starved=reason_starved,
         )  # fmt: skip
 
     def host_read(self, what: str) -> WaitMark:

@@ -20,11 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from cosmos3_batch.engine.transport import Counters
+from cosmos3_batch.io.metrics import PassRecord
 from cosmos3_batch.model.batched import batch_by_default
 from cosmos3_batch.model.cosmos3 import GEN, UND
 from cosmos3_batch.parallel.exit_codes import ExitCode
@@ -35,11 +36,12 @@ from cosmos3_batch.pipeline.kinds.denoise import RequestJob, Result
 from cosmos3_batch.pipeline.kinds.step_cache.cache import gate_rank, tally
 from cosmos3_batch.pipeline.kinds.transfer.chain import rejoin
 from cosmos3_batch.pipeline.kinds.transfer.inputs import AheadOfAdmission
-from cosmos3_batch.pipeline.passes.admission import Admission, describe, has_gen_work
+from cosmos3_batch.pipeline.passes.admission import Admission, describe, has_gen_work, takes_reason_slot
 from cosmos3_batch.pipeline.passes.apply import PartApplier
 from cosmos3_batch.pipeline.passes.chains import Chains, poll_captions
 from cosmos3_batch.pipeline.passes.exchange import Exchanged, Figures, PassSync
-from cosmos3_batch.plan.prefill import PrefillRule, RankSlots, SlotReport, gen_pass, und_pass
+from cosmos3_batch.pipeline.passes.weights import LayerWeights
+from cosmos3_batch.plan.prefill import GEN_POOL, PrefillRule, RankSlots, SlotReport, gen_pass, und_pass
 
 if TYPE_CHECKING:
     from cosmos3_batch.io.upsampled import UpsampleStore
@@ -49,28 +51,6 @@ if TYPE_CHECKING:
 
 # on_finished(job, result, error): exactly one of result / error is set.
 FinishedCallback = Callable[[RequestJob, Result | None, str | None], None]
-
-
-class LayerWeights(Protocol):
-    def begin_pass(self, und: bool, gen: bool = True) -> None: ...
-    def layer(self, index: int, part: str) -> torch.nn.Module: ...
-    def end_pass(self) -> Counters: ...
-    def drain(self) -> Counters: ...
-
-
-class PassRecord(NamedTuple):
-    """One pass on this rank, as the run report draws it (columns of passes.*.csv)."""
-
-    index: int
-    start_s: float  # since the pass loop began on this rank
-    duration_s: float  # walking the layers: fetch waits + compute
-    und: bool  # the UND parts were fetched
-    active: int  # requests that rode on this pass
-    stall_s: float  # compute waited for a part
-    weight_bytes: int  # host->device + gathered on this rank
-    fetch_skipped: bool = False  # --cache sea: no branch of any rank computed: no layer walked or fetched
-    computed: int = 0  # this rank's branches that ran the layers (fewer than its active ones' under --cache)
-    gen: bool = True  # the GEN parts were fetched (some rank had GEN work)
 
 
 class PassRunner:
@@ -94,12 +74,16 @@ class PassRunner:
         cache: SeaSettings | None = None,
         upsampled: UpsampleStore | None = None,
         text_check: Callable[[str], str | None] | None = None,
+        max_reason_active: int | None = None,
     ):
-        if max_active < 1:
-            raise ValueError(f"--max-active must be >= 1, got {max_active}")
+        # Two pools of slots (plan/prefill.py RankSlots): generation requests, and reasoner requests (None: as
+        # many as --max-active).
+        self.max_active, self.max_reason_active = max_active, max_reason_active or max_active
+        if min(self.max_active, self.max_reason_active) < 1:
+            raise ValueError(f"--max-active and --max-reason-active must be >= 1, got {self.max_active}, "
+                             f"{self.max_reason_active}")  # fmt: skip
         self.ctx = ctx
         self.weights = weights
-        self.max_active = max_active
         self.on_finished = on_finished
         self.sync = sync if sync is not None else PassSync()
         self.on_progress = on_progress
@@ -117,6 +101,7 @@ class PassRunner:
         self.skipped_passes = 0  # passes with no GEN work (every branch reused) and no UND: nothing fetched
         self.gen_passes = 0  # passes that fetched GEN parts (some rank had a branch to run through them)
         self.forwards = [0, 0]  # branch forwards of its requests: [ran the layers, reused] (--sp: once)
+        self.reason_active_sum = 0  # requests in reasoner slots, summed over the passes (the occupancy's)
         self.pass_s = 0.0  # wall time walking the layers (fetch waits + compute), summed over passes
         if batch_branches is None:  # batched where it keeps the bits (nowhere on CPU), else per branch
             batch_branches = batch_by_default(ctx.device, ctx.split.dtype)
@@ -179,16 +164,17 @@ class PassRunner:
             self.team.check()
 
     def _loop(self, queue: deque) -> None:
-        slots = RankSlots(queue, self.max_active, self.rule)
+        slots = RankSlots(queue, self.max_active, self.rule, self.max_reason_active, takes_reason_slot)
         active: list[RequestJob] = []
         groups = self.sync.world_size // (1 if self.sp is None else self.sp.size)
         world_slots = groups * self.max_active  # an --sp group's slots count once
+        reason_slots = groups * self.max_reason_active
         while True:
             if self.team is not None:
                 self.team.check()  # a group decode broke on this rank: end the job (finish/vae_team.py)
             self.finisher.check()  # a decode met a lost peer (its device read): end the job as one
-            active += slots.take_ready(len(active))  # prefilled earlier: no UND needed for these
-            self.ahead.look(slots.queue)  # the next Transfer requests' files, read and prepared off the loop
+            active += slots.take_ready(_pools(active))  # prefilled earlier: no UND needed for these
+            self.ahead.look(slots.queues[GEN_POOL])  # the next Transfer requests' files, read off the loop
             with self.sync.host_read("a Transfer chunk boundary's result"):
                 active, failed = rejoin(active, self.sp)  # Transfer chains back from a chunk boundary
             with self.sync.host_read("a caption's decoded frames"):
@@ -204,10 +190,13 @@ class PassRunner:
             if world.active == 0 and world.pending == 0:
                 return
             # The same decision on every rank: it reads only the all-reduced sums.
-            und = world.und or und_pass(self.rule, world_slots, world.active, world.starved, world.overdue)
+            reason = (reason_slots, world.reason_starved)
+            und = world.und or und_pass(
+                self.rule, world_slots, world.active, world.starved, world.overdue, reason
+            )
             prefill: list[RequestJob] = []
             if und:
-                now, later = slots.admissions(len(active))
+                now, later = slots.admissions(_pools(active))
                 admitted = self._admit(now)
                 # Only the requests just admitted (at their first step: forced to compute): the others were
                 # gated for this step before the exchange, and a second gate would count a reuse twice.
@@ -228,14 +217,14 @@ class PassRunner:
             if self.team is not None and any(job.last_step for job in active):
                 submit = self.sp.agree([submit])[0]  # every decoding rank submits the same requests
             active = self._finish(active, submit=submit)
-            slots.queue.extendleft(reversed(self._requeue))  # upsampled: generated next, on this rank
+            slots.requeue(self._requeue)  # upsampled: generated next, on this rank
             self._requeue.clear()
 
     def _exchange(self, active: list[RequestJob], slots: RankSlots, computing: int) -> Exchanged:
         """The pass's one all-reduce: this rank's state and live figures in, the world's sums back."""
-        report = slots.report(len(active))
+        report = slots.report(_pools(active))
         local_und = any(job.needs_und for job in active)  # a reasoner decoding; the --no-und-cache ablation
-        admits = sum(map(has_gen_work, slots.admitting(len(active))))  # if the pass is a UND pass
+        admits = sum(map(has_gen_work, slots.admitting(_pools(active))))  # if the pass is a UND pass
         with self._count_lock:
             mine, self._reported = self._reported, 0
             failed, self._failed[1] = self._failed[0] - self._failed[1], self._failed[0]
@@ -261,7 +250,7 @@ class PassRunner:
         if self.leads:  # a group's requests are on record once
             # Prefilled-ahead requests never took a step: like the queued ones, not started.
             self.abandoned = active + self._unsubmitted
-            self.not_started = [job.request for job in slots.ready] + list(slots.queue)
+            self.not_started = [job.request for job in slots.ready] + slots.waiting()
 
     def _checkpoint_changed(self) -> bool:
         """After a pass, before anything it computed is submitted: are the checkpoint's files as loaded?
@@ -330,6 +319,7 @@ class PassRunner:
                 self.apply(active, weights.layer(index, GEN), index, GEN)
         counters = Counters() if skip else weights.end_pass()
         ran = tally(active)
+        self.reason_active_sum += _pools(active)[1]
         if self.leads:
             self.forwards = [a + b for a, b in zip(self.forwards, ran, strict=True)]
         self._moved = counters
@@ -391,3 +381,9 @@ class PassRunner:
     def _fail(self, job: RequestJob, error: str) -> None:
         if self.leads:
             self.finisher.fail(job, error)
+
+
+def _pools(active: list[RequestJob]) -> tuple[int, int]:
+    """A rank's active jobs as (in generation slots, in reasoner slots): what RankSlots counts."""
+    reasoning = sum(map(takes_reason_slot, active))
+    return len(active) - reasoning, reasoning

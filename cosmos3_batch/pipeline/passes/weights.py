@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from cosmos3_batch.checkpoint.folder import Checkpoint
@@ -13,6 +15,15 @@ from cosmos3_batch.model.fp8 import Fp8Compute
 from cosmos3_batch.parallel.stall import phase
 from cosmos3_batch.parallel.waiting import WaitMark, peers
 from cosmos3_batch.parallel.world import World
+
+
+class LayerWeights(Protocol):
+    """What the runner asks of its layer weights, resident or offloaded."""
+
+    def begin_pass(self, und: bool, gen: bool = True) -> None: ...
+    def layer(self, index: int, part: str) -> torch.nn.Module: ...
+    def end_pass(self) -> Counters: ...
+    def drain(self) -> Counters: ...
 
 
 class ResidentWeights:
