@@ -235,6 +235,7 @@ def _sizing(checkpoint, shape, requests, context: tuple, flags: tuple) -> tuple:
         int(hw.device_gib * 2**30),
         lambda und: estimates(und).device_bytes_per_rank,
         lambda: sequence_kv(shape, requests, tokens, vision),
+        lookahead=job[5],
     )
 
 

@@ -19,10 +19,19 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.plan.branches import chain_tokens
 
+if TYPE_CHECKING:  # the engine imports torch: the CLI reads this module's constants for its help
+    from cosmos3_batch.engine.transport import OffloadMode
+
+# Device memory neither decision hands out: the estimate sizes activations from the median request, not the
+# largest, and allocators fragment. The UND half is held only if it fits in the rest; slots share the rest.
+RESERVE_SHARE = 0.10
+# Tokens the chat template adds around a prompt that plan's tokenizer sample did not cover (role markers,
+# vision markers): with the prompt's UTF-8 bytes (a byte-level BPE token covers at least one), a bound.
+CHAT_TOKENS = 32
 CPU_REASON_SLOTS = 8  # --max-reason-active on the CPU device (and where no model is known to size from)
 MAX_REASON_SLOTS = 64  # the most the default takes: past it one UND fetch is shared thinly enough already
 CPU_DEVICE = "the CPU device (no device memory to size from)"
@@ -73,95 +82,99 @@ def size_reasoner(
     estimate: Callable[[bool], int],
     sequence: Callable[[], tuple[int, int]],
     no_figure: str = CPU_DEVICE,
+    lookahead: int = 0,
 ) -> ReasonerSizing:
     """`flags`: (--und-resident / --no-und-resident / None, --max-reason-active / None). `device_bytes`: the
     device's memory (None: `no_figure` says why there is none). `estimate(und_resident)`: plan's device bytes
-    per rank; `sequence()`: (K/V bytes, tokens) of the job's largest reasoner sequence. Both are called only
-    when a decision needs them (a run on the CPU device computes neither)."""
-    und = _und_resident(requests, mode, flags[0], device_bytes, estimate, no_figure)
+    per rank; `sequence()`: (K/V bytes, tokens) of the job's largest reasoner sequence; `lookahead`:
+    --prefill-lookahead (requests prefilled ahead of a slot hold their K/V too). Both callables are called
+    only when a decision needs them (a run on the CPU device computes neither). Every input is the same on
+    every rank (no file is read here), so every rank decides alike."""
+    usable = None if device_bytes is None else int(device_bytes * (1 - RESERVE_SHARE))
+    und = _und_resident(requests, mode, flags[0], (device_bytes, usable), estimate, no_figure)
     slots = _reason_slots(
-        requests, flags[1], device_bytes, lambda: estimate(bool(und.value)), sequence, no_figure
+        requests, flags[1], usable, lambda: estimate(bool(und.value)), sequence, (no_figure, lookahead)
     )
     return ReasonerSizing(slots, und)
 
 
-def _und_resident(requests, mode, flag, device_bytes, estimate, no_figure: str) -> Decision:
+def _und_resident(requests, mode, flag, memory: tuple, estimate, no_figure: str) -> Decision:
+    from cosmos3_batch.engine.transport import OffloadMode
+
+    device_bytes, usable = memory
+    if mode is OffloadMode.RESIDENT:  # a flag changes nothing there: recorded as what the run holds
+        return Decision(False, "default", "--offload resident: every layer is on the device already")
     if flag is not None:
         return Decision(flag, "flag", "--und-resident" if flag else "--no-und-resident")
-    if mode is OffloadMode.RESIDENT:
-        return Decision(False, "default", "--offload resident: every layer is on the device already")
     if not decodes(requests):
         return Decision(False, "default", "no reasoner decoding in the job")
     if device_bytes is None:
         return Decision(False, "default", f"off on {no_figure}: the UND parts stream")
     need = estimate(True)
-    fits = need <= device_bytes
+    fits = need <= usable
     verdict = "fits" if fits else "does not fit"
     return Decision(
         fits,
         "default",
-        f"the device estimate with the UND half, {_gib(need)}, {verdict} {_gib(device_bytes)}",
+        f"the device estimate with the UND half, {_gib(need)}, {verdict} {_gib(usable)} "
+        f"({_gib(device_bytes)} less a {RESERVE_SHARE:.0%} reserve)",
     )
 
 
-def _reason_slots(requests, flag, device_bytes, estimate, sequence, no_figure: str) -> Decision:
+def _reason_slots(requests, flag, usable, estimate, sequence, context: tuple) -> Decision:
+    no_figure, lookahead = context
     if flag is not None:
         return Decision(flag, "flag", "--max-reason-active")
-    if device_bytes is None:
+    if usable is None:
         return Decision(CPU_REASON_SLOTS, "default", f"{CPU_REASON_SLOTS} on {no_figure}")
     if not reasoners(requests):
         return Decision(CPU_REASON_SLOTS, "default", "no reasoner requests: no reasoner slot is used")
-    left = device_bytes - estimate()
+    left = usable - estimate()
     kv, tokens = sequence()
-    count = min(max(left // kv if left > 0 else 0, 1), MAX_REASON_SLOTS)
+    count = min(max((left // kv if left > 0 else 0) - lookahead, 1), MAX_REASON_SLOTS)
     return Decision(
         int(count),
         "default",
-        f"{_gib(max(left, 0))} left after the device estimate, {kv / 2**20:,.2f} MiB of K/V per sequence "
-        f"({tokens:,} tokens: prompt, vision, max_new_tokens), between 1 and {MAX_REASON_SLOTS}",
+        f"{_gib(max(left, 0))} left after the device estimate and the {RESERVE_SHARE:.0%} reserve, "
+        f"{kv / 2**20:,.2f} MiB of K/V per sequence ({tokens:,} tokens: prompt, vision, max_new_tokens), "
+        f"less the {lookahead} prefilled ahead (--prefill-lookahead), between 1 and {MAX_REASON_SLOTS}",
     )
 
 
 def sequence_kv(shape, requests, und_tokens: dict[str, int], vision: Callable) -> tuple[int, int]:
     """(K/V bytes, tokens) of the longest reasoner sequence: every layer's K and V rows (kv_heads x head_dim
-    each, in the compute dtype) for its prompt (the templated count plan's estimate reads), its vision
-    tokens and its max_new_tokens."""
-    tokens = max(und_tokens.get(r.id, 0) + vision(r) + r.reason.max_new_tokens for r in reasoners(requests))
+    each, in the compute dtype) for its prompt (the templated count plan's estimate reads where its sample
+    has the request, else a bound: `prompt_bound`), its vision tokens and its max_new_tokens."""
+    tokens = max(
+        (und_tokens[r.id] if r.id in und_tokens else prompt_bound(r)) + vision(r) + r.reason.max_new_tokens
+        for r in reasoners(requests)
+    )
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * tokens * shape.act_bytes, tokens
 
 
+def prompt_bound(request) -> int:
+    """At most this many tokens for a prompt plan did not tokenize: its (and its system message's) UTF-8
+    bytes, plus the chat template's own tokens."""
+    system = getattr(request.reason, "system", None) or ""
+    return len(request.prompt.encode()) + len(system.encode()) + CHAT_TOKENS
+
+
 def vision_counter(root: Path, max_vision_tokens: int) -> Callable:
-    """request -> its vision tokens as the checkpoint's image processor makes them: the image resized to
-    multiples of patch x merge between the processor's pixel bounds (transformers' `smart_resize`, from the
-    image file's header), one token a merged patch. A video's frames are sampled at admission: counted at
-    --max-vision-tokens."""
+    """request -> the vision tokens its K/V is sized with: an image at the checkpoint's image processor's
+    pixel bound (`size.longest_edge` over (patch x merge)^2: no image can give more), a video at
+    --max-vision-tokens (its frames are sampled at admission). No file is read: every rank counts alike,
+    and a job of a million images does not read a million headers at its start."""
     config_path = Path(root) / "preprocessor_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    factor = int(config.get("patch_size", 14)) * int(config.get("merge_size", 2))
+    image = int(config.get("size", {}).get("longest_edge", 28 * 28 * 1280)) // factor**2
 
     def count(r) -> int:
         if getattr(r, "video", None) is not None:
             return max_vision_tokens
-        if getattr(r, "image", None) is None:
-            return 0
-        return image_tokens(r.image, config)
+        return image if getattr(r, "image", None) is not None else 0
 
     return count
-
-
-def image_tokens(path, config: dict) -> int:
-    from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    factor = int(config.get("patch_size", 14)) * int(config.get("merge_size", 2))
-    size = config.get("size", {})
-    most = size.get("longest_edge", 28 * 28 * 1280)
-    try:
-        with Image.open(path) as image:  # the header only: no pixel is decoded
-            width, height = image.size
-    except (OSError, ValueError):  # unreadable: its admission fails it; sized at the processor's bound
-        return most // factor**2
-    height, width = smart_resize(height, width, factor, size.get("shortest_edge", 56 * 56), most)
-    return (height // factor) * (width // factor)
 
 
 def _gib(nbytes: float) -> str:

@@ -12,7 +12,14 @@ from typer.testing import CliRunner
 from cosmos3_batch.cli import app
 from cosmos3_batch.engine.transport import OffloadMode
 from cosmos3_batch.pipeline.job.sizing import smallest
-from cosmos3_batch.plan.reason_memory import CPU_REASON_SLOTS, MAX_REASON_SLOTS, sequence_kv, size_reasoner
+from cosmos3_batch.plan.reason_memory import (
+    CHAT_TOKENS,
+    CPU_REASON_SLOTS,
+    MAX_REASON_SLOTS,
+    prompt_bound,
+    sequence_kv,
+    size_reasoner,
+)
 from tests.conftest import write_jsonl
 
 GIB = 2**30
@@ -39,15 +46,19 @@ def sized(
 def test_und_resident_fits_does_not_fit_cpu_and_forced():
     fits, asked = sized([REASON, T2I])
     assert (fits.und_resident.value, fits.und_resident.chosen_by) == (True, "default")
-    assert "30.00 GiB, fits 80.00 GiB" in fits.und_resident.why and asked[0] is True
-    tight, _ = sized([REASON], device=25 * GIB)
-    assert tight.und_resident.value is False and "does not fit 25.00 GiB" in tight.und_resident.why
+    assert "30.00 GiB, fits 72.00 GiB (80.00 GiB less a 10% reserve)" in fits.und_resident.why
+    assert asked[0] is True
+    tight, _ = sized([REASON], device=32 * GIB)  # 30 GiB would fit 32, not the 28.8 the reserve leaves
+    assert tight.und_resident.value is False and "does not fit 28.80 GiB" in tight.und_resident.why
     cpu, asked = sized([REASON], device=None)
     assert cpu.und_resident.value is False and "CPU device" in cpu.und_resident.why and asked == []
     for flag in (True, False):  # either flag forces it, fits or not, CPU or not
         for device in (None, 25 * GIB, 80 * GIB):
             forced, _ = sized([REASON], (flag, None), device)
             assert (forced.und_resident.value, forced.und_resident.chosen_by) == (flag, "flag")
+        # --offload resident holds every layer already: recorded off, whatever the flag
+        held = sized([REASON], (flag, None), mode=OffloadMode.RESIDENT)[0].und_resident
+        assert (held.value, held.chosen_by) == (False, "default") and "--offload resident" in held.why
     alone, asked = sized([T2I])  # nothing decodes: off, nothing estimated
     assert alone.und_resident.value is False and "no reasoner decoding" in alone.und_resident.why
     caption = SimpleNamespace(
@@ -58,14 +69,18 @@ def test_und_resident_fits_does_not_fit_cpu_and_forced():
 
 
 def test_reason_slots_from_the_memory_left_capped_and_floored():
-    # 80 GiB less the estimate with the UND half held (30 GiB): 50 sequences of 1 GiB.
+    # 80 GiB less the 10% reserve (72) less the estimate with the UND half held (30): 42 sequences of 1 GiB.
     sizing, _ = sized([REASON, T2I])
-    assert (sizing.max_reason_active.value, sizing.max_reason_active.chosen_by) == (50, "default")
-    assert "50.00 GiB left after the device estimate" in sizing.max_reason_active.why
-    # Not held (forced off): the estimate without it, 20 GiB: 60 left.
-    assert sized([REASON], (False, None))[0].max_reason_active.value == 60
+    assert (sizing.max_reason_active.value, sizing.max_reason_active.chosen_by) == (42, "default")
+    assert "42.00 GiB left after the device estimate and the 10% reserve" in sizing.max_reason_active.why
+    # Not held (forced off): the estimate without it, 20 GiB: 52 left.
+    assert sized([REASON], (False, None))[0].max_reason_active.value == 52
+    # Requests prefilled ahead of a slot hold their K/V too: 3 fewer.
+    ahead = size_reasoner([REASON], ALLGATHER, (None, None), 80 * GIB, lambda u: 30 * GIB, lambda: (GIB, 9),
+                          lookahead=3)  # fmt: skip
+    assert ahead.max_reason_active.value == 39 and "less the 3 prefilled ahead" in ahead.max_reason_active.why
     assert sized([REASON], kv=(GIB // 8, 10))[0].max_reason_active.value == MAX_REASON_SLOTS  # capped
-    assert sized([REASON], device=31 * GIB, kv=(4 * GIB, 10))[0].max_reason_active.value == 1  # floored
+    assert sized([REASON], device=27 * GIB, kv=(4 * GIB, 10))[0].max_reason_active.value == 1  # floored
     assert sized([REASON], device=10 * GIB)[0].max_reason_active.value == 1  # nothing left: still 1
     assert sized([REASON], device=None)[0].max_reason_active.value == CPU_REASON_SLOTS
     assert sized([REASON], (None, 3), device=None)[0].max_reason_active.value == 3
@@ -78,11 +93,29 @@ def test_a_sequence_keeps_every_layer_k_and_v_of_its_tokens():
     kv, tokens = sequence_kv(shape, [REASON, T2I, other], {"r": 7, "s": 30, "g": 99}, lambda r: 5)
     assert tokens == 30 + 5 + 4  # the longest reasoner sequence; the T2I request's tokens do not count
     assert kv == 3 * 2 * 2 * 8 * tokens * 2
+    # A prompt outside plan's tokenizer sample: its UTF-8 bytes (and its system message's) + the template's.
+    spec = SimpleNamespace(max_new_tokens=4, system="Be")
+    unsampled = SimpleNamespace(id="u", prompt="Décris.", reason=spec)
+    assert prompt_bound(unsampled) == len("Décris.".encode()) + 2 + CHAT_TOKENS == 8 + 2 + CHAT_TOKENS
+    assert sequence_kv(shape, [REASON, unsampled], {"r": 7}, lambda r: 0)[1] == prompt_bound(unsampled) + 4
 
 
-def test_every_rank_sizes_from_the_smallest_device():
+def test_every_rank_sizes_from_the_smallest_device(monkeypatch):
     assert smallest([80 * GIB, 79 * GIB]) == 79 * GIB
     assert smallest([None, None]) is None
+    # The figure rides the start's plan check: each rank's own in, the smallest out, the same on every rank;
+    # ranks that planned different requests still stop there.
+    from cosmos3_batch.pipeline.job import run as job_run
+
+    monkeypatch.setattr(job_run, "device_memory", lambda device: 80 * GIB)
+    plan = SimpleNamespace(requests=[])
+    peers = {"same": lambda mine: [mine, (mine[0], 79 * GIB), (mine[0], 81 * GIB)],
+             "other": lambda mine: [mine, ("another digest", 79 * GIB)]}  # fmt: skip
+    world = SimpleNamespace(device=None, all_gather_object=peers["same"])
+    assert job_run._check_same_plan(world, plan) == 79 * GIB
+    world.all_gather_object = peers["other"]
+    with pytest.raises(RuntimeError, match="ranks planned different request lists"):
+        job_run._check_same_plan(world, plan)
 
 
 @pytest.mark.parametrize("device_gib", ["80", "0.001"])
@@ -101,6 +134,7 @@ def test_plan_prints_and_a_cpu_run_records_the_choice(tiny_reasoner_ckpt, tmp_pa
     assert slots["value"] == 1 and "--no-und-resident (default: " in text  # nothing left: 1, streamed
     out = tmp_path / "out"
     run = ["run", str(prompts), "--model", str(tiny_reasoner_ckpt), "--out", str(out), "--no-progress"]
+    run += ["--device", "cpu"]  # no memory figure there (a GPU host's auto would size from its device)
     assert CliRunner().invoke(app, run, catch_exceptions=False).exit_code == 0
     config = json.loads((out / "summary.json").read_text())["config"]
     assert (config["max_reason_active"], config["und_resident"]) == (CPU_REASON_SLOTS, False)

@@ -69,6 +69,7 @@ def size_run(cfg: RunConfig, world: World, plan: Plan, device_bytes: int | None)
         device_bytes,
         device_estimate,
         lambda: sequence_kv(shape(), plan.requests, tokens(), vision),
+        lookahead=cfg.prefill.lookahead,
     )
     if world.is_main and decodes(plan.requests):
         log.info(describe_sizing(sizing.record()))
