@@ -1,7 +1,7 @@
 """Reasoner requests through the pass loop (issue 44 items 3-5) at world 1: token ids equal transformers'
 `generate` (tests/reasoner_reference.py) bit for bit on CPU float32, greedy and sampled, text only and with an
-image, several sequences sharing passes and ending at EOS at different steps, beside a T2I request whose
-latents equal its run alone; the outputs (`<id>.txt`, sidecar, metrics, manifest) and resume."""
+image, several sequences sharing passes and ending at EOS at different steps, beside T2I and T2V requests
+whose latents equal their run without them; the outputs (`<id>.txt`, sidecar, metrics, manifest), resume."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tests.reasoner_reference import eos_between, reference_ids, with_eos
 
 SAMPLED = {"do_sample": True, "top_k": 20, "temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.2}
 T2I = {"id": "t2i", "prompt": "a red square", "size": "64x64", "num_frames": 1, "num_inference_steps": 3}
+T2V = {"id": "t2v", "prompt": "a blue ball rolls", "size": "48x32", "num_frames": 5, "num_inference_steps": 3}
 
 
 def _run(ckpt, prompts, out, *extra):
@@ -59,7 +60,7 @@ def eos_ckpt(tiny_reasoner_ckpt, cond_image, tmp_path_factory):
 def test_token_ids_equal_generate_eight_sharing_passes_with_t2i(eos_ckpt, cond_image, tmp_path):
     rows = _rows(cond_image)
     rows[3]["samples"] = 5  # seeds 3..7: eight sequences in all, sharing every pass they overlap on
-    prompts = write_jsonl(tmp_path / "p.jsonl", [*rows, T2I])
+    prompts = write_jsonl(tmp_path / "p.jsonl", [*rows, T2I, T2V])
     _run(
         eos_ckpt, prompts, tmp_path / "out", "--max-active", "1", "--max-reason-active", "8", "--save-latents"
     )
@@ -78,11 +79,13 @@ def test_token_ids_equal_generate_eight_sharing_passes_with_t2i(eos_ckpt, cond_i
     assert stops["text"][0] == "eos" and stops["text"][1] < 10
     assert stops["sampled"][1] != stops["text"][1]  # ended at another step, in the same passes
     assert reasoned["image"]["reason"]["vision_tokens"] > 0
-    # The T2I request beside them: its latents equal its run alone.
-    alone = write_jsonl(tmp_path / "alone.jsonl", [T2I])
+    # The T2I and T2V requests beside them: their latents equal their run without reasoners.
+    alone = write_jsonl(tmp_path / "alone.jsonl", [T2I, T2V])
     _run(eos_ckpt, alone, tmp_path / "alone", "--save-latents")
-    mixed = load_file(tmp_path / "out" / "t2i.latents.safetensors")["latents"]
-    assert mixed.equal(load_file(tmp_path / "alone" / "t2i.latents.safetensors")["latents"])
+    for rid in ("t2i", "t2v"):
+        mixed = load_file(tmp_path / "out" / f"{rid}.latents.safetensors")["latents"]
+        assert mixed.equal(load_file(tmp_path / "alone" / f"{rid}.latents.safetensors")["latents"]), rid
+    assert (tmp_path / "out" / "t2v.mp4").is_file()
 
 
 def test_one_sequence_a_pass_and_the_outputs_and_resume(eos_ckpt, cond_image, tmp_path):
