@@ -271,7 +271,10 @@ class TwoRanks:
     sent: object = None
 
     def __init__(self, rank: int):
+        import torch
+
         self.rank, self.world_size, self.distributed, self.is_main = rank, 2, True, rank == 0
+        self.device = torch.device("cpu")  # the plan check reads its memory (none on the CPU device)
 
     def all_gather_object(self, obj) -> list:
         return [obj, obj]
@@ -289,11 +292,11 @@ def test_only_rank_0_reads_out_for_resume_and_the_others_take_its_split(runs, ti
     out = linked_copy(runs["shards"], tmp_path / "copy")
     more = write_jsonl(tmp_path / "more.jsonl", [*ROWS, {"id": "new", "prompt": "x", "size": "32x32"}])
     cfg = make_config("allgather", None, prompts=str(more), out=out, model=tiny_ckpt)
-    first = job._plan_everywhere(cfg, TwoRanks(0))
+    first, _ = job._plan_everywhere(cfg, TwoRanks(0))  # (the plan, the device memory: none on CPU)
     with pytest.MonkeyPatch.context() as patch:  # rank 1 neither reads OUT nor tokenizes
         patch.setattr(job, "split_complete", lambda *a: pytest.fail("rank 1 read OUT"))
         patch.setattr(job, "token_errors", lambda *a: pytest.fail("rank 1 tokenized"))
-        second = job._plan_everywhere(cfg, TwoRanks(1))
+        second, _ = job._plan_everywhere(cfg, TwoRanks(1))
     assert [r.id for r in first.requests] == [r.id for r in second.requests] == ["new"]
     assert [r.id for r in first.complete] == [r.id for r in second.complete] == [r["id"] for r in ROWS]
     assert first.invalid == second.invalid == []
