@@ -1,9 +1,10 @@
 """Reasoner decode cost on CPU, measured side by side in one run (docs/reasoner.md, "Cost").
 
-For N sequences sharing passes (every pass a decode pass), the weight bytes each generated token cost
-(host->device + gathered, all ranks, as the engine counts them; and the UND share of them), and the tokens
-per second of the decode loop at world 2 (a torchrun launch) next to transformers' `generate` at batch 1 on
-the same requests and CPU (at the one thread torchrun gives each rank).
+For N sequences sharing passes (every pass a decode pass), the UND half streamed and held (--und-resident),
+the weight bytes each generated token cost (host->device + gathered, all ranks, as the engine counts them;
+all UND parts' in a job of reasoner requests alone), and the tokens per second of the decode loop at world 2
+(a torchrun launch) next to transformers' `generate` at batch 1 on the same requests and CPU (at the one
+thread torchrun gives each rank).
 
     python scripts/bench/reasoner.py [--ckpt DIR] [--tokens 16] [--counts 1,8,64]
 """
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # `tests.reasoner_reference`, the reference this compares with
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
@@ -30,10 +32,11 @@ def rows(count: int, tokens: int) -> list[dict]:
     ]
 
 
-def run(ckpt: Path, count: int, tokens: int, folder: Path, world: int) -> dict:
+def run(ckpt: Path, count: int, tokens: int, folder: Path, world: int, resident: bool = False) -> dict:
+    """One job of `count` reasoner requests at `world` ranks, the UND half streamed or (`resident`) held."""
     prompts = folder / f"p{count}-{world}.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows(count, tokens)))
-    out = folder / f"out{count}-{world}"
+    out = folder / f"out{count}-{world}-{'resident' if resident else 'streamed'}"
     args = [
         "run",
         str(prompts),
@@ -44,6 +47,7 @@ def run(ckpt: Path, count: int, tokens: int, folder: Path, world: int) -> dict:
         "--no-progress",
         "--max-reason-active",  # the reasoner sequences sharing a rank's passes (their own slots)
         str(count),
+        "--und-resident" if resident else "--no-und-resident",
     ]
     launch = [sys.executable, "-m", "cosmos3_batch"]
     if world > 1:
@@ -61,13 +65,18 @@ def run(ckpt: Path, count: int, tokens: int, folder: Path, world: int) -> dict:
         json.loads((out / f"r{i}.json").read_text())["reason"]["generated_tokens"] for i in range(count)
     )
     ranks = summary["ranks"]
+    # A job of reasoner requests alone has no GEN work: every byte it moves is a UND part's (padded as the
+    # engine's slots hold it; streamed, beside it, the unpadded payload the UND passes would fetch).
+    moved = sum(r["h2d_bytes"] + r["gathered_bytes"] for r in ranks)
+    payload = {} if resident else {"und_payload_per_token": ranks[0]["und_passes"] * und_bytes(ckpt) * world}
     return {
         "sequences": count,
         "world": world,
+        "und": "resident" if resident else "streamed",
         "tokens": generated,
         "passes": ranks[0]["passes"],
-        "bytes_per_token": sum(r["h2d_bytes"] + r["gathered_bytes"] for r in ranks) / generated,
-        "und_bytes_per_token": ranks[0]["und_passes"] * und_bytes(ckpt) * world / generated,
+        "bytes_per_token": moved / generated,
+        **{key: value / generated for key, value in payload.items()},
         "pass_s": max(r["pass_s"] for r in ranks),
         "tokens_per_s": generated / max(r["pass_s"] for r in ranks),
     }
@@ -120,8 +129,10 @@ def main() -> None:
 
             ckpt = write_tiny(folder / "tiny", TinySpec(reasoner=True))
         for count in [int(c) for c in args.counts.split(",")]:
-            print(json.dumps(run(ckpt, count, args.tokens, folder, 1)))
-        print(json.dumps(run(ckpt, 8, args.tokens, folder, 2)))
+            for resident in (False, True):
+                print(json.dumps(run(ckpt, count, args.tokens, folder, 1, resident)))
+        for resident in (False, True):
+            print(json.dumps(run(ckpt, 8, args.tokens, folder, 2, resident)))
         print(json.dumps({"generate_batch_1_tokens_per_s": generate_rate(ckpt, 8, args.tokens)}))
 
 
