@@ -17,8 +17,12 @@ from tests.conftest import write_jsonl
 from tests.dist.jobs import ENV
 
 pytestmark = pytest.mark.dist
+# Two short requests are written within a few passes of the start, while the others run 40 steps, and the
+# file is written every 0.1 s: the 120 passes last about 1.5 s here, and at the 1 s interval a loaded CPU
+# once let the whole running phase fall between two writes.
 ROWS = [
-    {"id": f"m{i}", "prompt": "a lighthouse", "num_frames": 1, "size": "32x32", "num_inference_steps": 40}
+    {"id": f"m{i}", "prompt": "a lighthouse", "num_frames": 1, "size": "32x32"}
+    | {"num_inference_steps": 3 if i in (0, 1) else 40}
     for i in range(12)
 ]
 
@@ -48,7 +52,7 @@ def test_the_metrics_textfile_has_the_jobs_counts_while_it_runs_and_at_its_end(t
     cmd = [sys.executable, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
     cmd += ["--no-progress", "--max-active", "2", "--metrics-textfile", str(textfile)]
-    cmd += ["--metrics-interval-s", "1"]
+    cmd += ["--metrics-interval-s", "0.1"]  # the passes of this tiny job take about 1.5 s in all
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     mid, deadline = None, time.monotonic() + 240
     while proc.poll() is None and mid is None:

@@ -234,3 +234,16 @@ def test_each_rank_has_its_own_seconds_since_progress_and_the_late_one_is_named_
     sync.waiting_since = time.monotonic()  # rank 0 is back at the exchange: it is not what is awaited
     since = monitor.figures().since_progress
     assert since[0] == 0.0 and round(since[2] - since[1], 6) == 11.5
+
+
+def test_an_interval_under_the_tick_is_honoured(tmp_path):
+    """--metrics-interval-s 0.1 writes every 0.1 s: the watch loop waits the interval when it is shorter than
+    its tick (it waited a whole tick before, so any interval under a second wrote once a second)."""
+    from cosmos3_batch.pipeline.passes.monitor import TICK_S
+
+    waits = []
+    for interval in (0.1, 15.0):
+        monitor = JobMonitor(None, 30, tmp_path / "m.prom", interval_s=interval, world_size=2)
+        monitor._stop = SimpleNamespace(wait=lambda timeout: waits.append(timeout) or True)  # stop at once
+        monitor._watch()
+    assert waits == [0.1, TICK_S]

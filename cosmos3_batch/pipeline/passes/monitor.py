@@ -121,7 +121,8 @@ class JobMonitor:
 
     def _watch(self) -> None:
         last_write = time.monotonic()
-        while not self._stop.wait(TICK_S):
+        tick = min(TICK_S, self.interval_s)  # an interval under a tick is honoured, not rounded up to it
+        while not self._stop.wait(tick):
             self._name_long_wait()
             if self.textfile is not None and time.monotonic() - last_write >= self.interval_s:
                 self.write()
