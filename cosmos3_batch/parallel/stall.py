@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +33,10 @@ from cosmos3_batch.engine.transport import CollectiveFailed
 log = logging.getLogger("cosmos3_batch")
 
 BOUND_S = 60.0  # the longest the survivors wait for each other after their own timeout fired
+# The meeting waits in slices this long, so a SIGTERM during it is heard: the store's wait is one C++ call,
+# and Python runs a signal handler only between calls. torchrun's agent SIGTERMs the survivors as soon as a
+# rank has died, and SIGKILLs whoever has not left 30 s later.
+MEET_SLICE_S = 0.25
 STALLED, DIED = "stalled", "died"
 REQUEUE = "finished outputs are written. Requeue the job: a rerun generates exactly the rest (exit 69)"
 STALL_SHARE = 0.9  # of the stage's timeout: a collective that waited this long was waiting out a stall
@@ -121,20 +127,31 @@ class Verdict:
     line: str
 
 
-def post_mortem(rank: int, world_size: int, kind: str, place: Place, bound_s: float | None = None) -> Verdict:
+def post_mortem(
+    rank: int,
+    world_size: int,
+    kind: str,
+    place: Place,
+    bound_s: float | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> Verdict:
     """After a collective failed on this rank: meet the other survivors in the job's store, name the ranks
-    that did not come, and decide who says so. Bounded: at most `bound_s` (default min(timeout, BOUND_S))."""
+    that did not come, and decide who says so. Bounded: at most `bound_s` (default min(timeout, BOUND_S)),
+    and cut short once `stopping()` (a SIGTERM or SIGINT came: the launcher is ending the job, and a rank
+    that died never checks in, so waiting out the bound would only end in the launcher's SIGKILL)."""
     bound = min(place.timeout_s, BOUND_S) if bound_s is None else bound_s
     where = place.describe()
     try:
-        missing, speaker, kind = _meet(rank, world_size, kind, bound)
+        missing, speaker, kind = _meet(rank, world_size, kind, bound, stopping)
     except Exception as exc:  # the store's host (rank 0, when the agent does not host it) is the one stuck
         log.debug("the job's store did not answer: %s", exc)
         missing, speaker = None, True
     return Verdict(missing, speaker, describe(kind, missing, where, place))
 
 
-def _meet(rank: int, world_size: int, kind: str, bound_s: float) -> tuple[list[int], bool, str]:
+def _meet(
+    rank: int, world_size: int, kind: str, bound_s: float, stopping: Callable[[], bool]
+) -> tuple[list[int], bool, str]:
     """(the ranks that never came, whether this rank speaks, the job's kind of failure). A survivor whose
     collective broke because another survivor had already left sees a death; if any survivor timed out
     waiting, the rank that never came stalled."""
@@ -145,8 +162,11 @@ def _meet(rank: int, world_size: int, kind: str, bound_s: float) -> tuple[list[i
     prefix = f"cosmos3_batch/peer/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     keys = [f"{prefix}/here/{r}" for r in range(world_size)]
     store.set(keys[rank], kind)
-    with contextlib.suppress(Exception):  # somebody did not come: which ones is read below
-        store.wait(keys, timedelta(seconds=bound_s))
+    deadline = time.monotonic() + bound_s
+    while not stopping() and (left := deadline - time.monotonic()) > 0:
+        with contextlib.suppress(Exception):  # not everyone yet: which ranks came is read below
+            store.wait(keys, timedelta(seconds=min(MEET_SLICE_S, left)))
+            break
     missing = [r for r, key in enumerate(keys) if not store.check([key])]
     kinds = {store.get(key).decode() for r, key in enumerate(keys) if r not in missing}
     first = store.compare_set(f"{prefix}/speaker", "", str(rank))

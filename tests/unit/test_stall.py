@@ -124,6 +124,23 @@ def test_a_dead_peer_and_an_unreachable_store_are_said_too(store, monkeypatch):
     assert lost.missing is None and lost.speaker and "which one is unknown" in lost.line
 
 
+def test_a_stop_signal_ends_the_meeting_where_a_dead_rank_would_keep_it_waiting(store):
+    """torchrun's agent SIGTERMs the survivors once a rank has died, and SIGKILLs them 30 s later: the
+    meeting, which the dead rank never joins, must hear the signal (checked between slices of the store's
+    wait) rather than wait out its bound. Here the stop comes before the third slice of an hour's bound."""
+    place = Place(stage="passes", timeout_s=3600)
+    place.note("all_reduce:12")
+    looks = []
+
+    def stopping() -> bool:
+        looks.append(True)
+        return len(looks) == 3
+
+    verdict = post_mortem(1, 2, DIED, place, bound_s=3600, stopping=stopping)
+    assert len(looks) == 3 and verdict.missing == [0] and verdict.speaker
+    assert verdict.line.startswith("rank 0 left the job at pass 0, the per-pass exchange")
+
+
 def test_what_a_call_raises_of_this_ranks_own_device_stays_its_own():
     # Out of memory in an all_gather_object's device copy is this rank's crash (exit 1), not a peer's.
     with pytest.raises(torch.OutOfMemoryError), collective_call("an exchange of the ranks' records"):

@@ -170,16 +170,17 @@ def _recorded(cfg: RunConfig, stop: StopRequest) -> Outcome:
         except Exception as exc:
             if not world.distributed or (kind := peer_failure(exc, place.timeout_s)) is None:
                 raise  # a crash of our own: torchelastic's error file and the traceback
-            return _peer_lost(world, kind, place, exc)
+            return _peer_lost(world, kind, place, exc, stop)
     finally:
         teardown(world)
 
 
-def _peer_lost(world: World, kind: str, place: Place, exc: Exception) -> Outcome:
-    """A collective failed because a peer stalled or died: exit 69 on every survivor, one line from one."""
+def _peer_lost(world: World, kind: str, place: Place, exc: Exception, stop: StopRequest) -> Outcome:
+    """A collective failed because a peer stalled or died: exit 69 on every survivor, one line from one.
+    A stop signal during the survivors' meeting ends it: the launcher is tearing the job down."""
     place.vae = isinstance(exc, GroupBroken)
     log.debug("collective failed on rank %d: %s", world.rank, exc)
-    verdict = post_mortem(world.rank, world.world_size, kind, place)
+    verdict = post_mortem(world.rank, world.world_size, kind, place, stopping=lambda: stop.signum is not None)
     return Outcome(ExitCode.PEER, None, verdict.line if verdict.speaker else None)
 
 
