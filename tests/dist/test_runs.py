@@ -261,7 +261,9 @@ def kill_rank_1_midrun(run_args: list[str], out: Path) -> tuple[subprocess.Popen
     SIGKILL rank 1 (request ids start with k). (rank 0, seconds from the kill until it exited, its stderr)."""
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "cosmos3_batch", "run", *run_args, "--out", str(out)]
-    cmd += ["--max-active", "1", "--no-progress", "--collective-timeout-s", "20"]
+    # The survivor's meeting waits min(timeout, 60 s) for the dead rank, which never comes: 10 s, as
+    # test_stall.py's stalls (above the start-up skew of two ranks on a busy 2-core machine).
+    cmd += ["--max-active", "1", "--no-progress", "--collective-timeout-s", "10"]
     procs = [
         subprocess.Popen(
             cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True
