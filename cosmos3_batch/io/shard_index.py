@@ -59,6 +59,8 @@ def read_indexes(out: Path) -> list[dict]:
     temporary: the folder was copied or moved (cp -r, rsync, another filesystem), and the tar is the one."""
     found = []
     for path in sorted((out / INDEX_DIR).glob("*/*.json")):
+        if path.name.startswith("."):  # an index's temporary (a write a kill cut short): never an index
+            continue
         try:
             index = json.loads(path.read_text())
             tar = out / index["shard"]
@@ -102,14 +104,17 @@ def finish_renames(out: Path, tag: str) -> int:
 
 def remove_stale(out: Path, tag: str) -> int:
     """What killed writers of this tag left: open shards' temporaries (after `finish_renames`), staging
-    folders, and indexes whose tar never appeared. Other array tasks' files (other tags) are theirs and may
-    be in use: never touched. Returns the temporaries deleted."""
+    folders, indexes whose tar never appeared, and indexes' temporaries (a finalize killed as it wrote the
+    index: its tar's temporary is unrecorded, deleted above). Other array tasks' files (other tags) are theirs
+    and may be in use: never touched. Returns the shard temporaries deleted."""
     finish_renames(out, tag)
     removed = 0
     for path in _temporaries(out, tag):
         path.unlink(missing_ok=True)
         removed += 1
     prefix = f"{tag}-rank" if tag else "rank"
+    for path in (out / INDEX_DIR).glob(f"*/.{prefix}*.tmp.json"):  # outputs.atomic_write's temporaries
+        path.unlink(missing_ok=True)
     for folder in (out / STAGING_DIR).glob(f"{prefix}*"):
         shutil.rmtree(folder, ignore_errors=True)
     for path in (out / INDEX_DIR).glob(f"*/{prefix}*.json"):

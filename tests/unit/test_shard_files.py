@@ -24,16 +24,17 @@ def add(writer: ShardWriter, rid: str, text: str = "") -> list:
     return writer.add("t", rid, [("txt", member)], {"id": rid}, {"id": rid})
 
 
-def killed_at_the_rename(step) -> None:
+def killed_at_the_rename(step, temporary: str = ".tar.tmp") -> None:
     """Run `step` in a child process that dies (no clean-up of any kind) as it renames a shard's temporary
-    into place: after the index is written, before the rename, as a SIGKILL there leaves it."""
+    into place: after the index is written, before the rename, as a SIGKILL there leaves it. `temporary`
+    ".tmp.json": as it renames the index's temporary into place, before the index exists."""
     pid = os.fork()
     if pid == 0:
         try:
             real = os.replace
 
             def replace(src, dst):
-                if str(src).endswith(".tar.tmp"):
+                if str(src).endswith(temporary):
                     os._exit(17)
                 real(src, dst)
 
@@ -79,6 +80,41 @@ def test_a_kill_between_the_index_and_the_rename_of_a_rewrite_leaves_no_id_twice
     assert remove_stale(tmp_path, "") == 0
     kept = members(tmp_path)
     assert kept == {"shards/t/rank0-000001.tar": ["b.txt"], "shards/t/rank0-000002.tar": ["a.txt"]}
+
+
+def test_an_index_a_kill_left_half_written_is_never_read_as_the_index_of_a_later_shard(tmp_path):
+    """A finalize killed as it renamed its index's temporary into place leaves that temporary (hidden, named
+    `.rank0-000001.PID.*.tmp.json`) and an unrecorded tar temporary. The rerun deletes both and writes shard
+    000001 again, the same size. Found in test_resume under load: the index's temporary stayed, `read_indexes`
+    (a `*.json` glob) took it for a second index of the new tar, and the end's rewrite copied members at its
+    offsets from the new tar (one sample's bytes under another's name) over the real index (a sample lost)."""
+
+    def finalize():
+        writer = ShardWriter(tmp_path, rank=0, tag="", max_bytes=0, max_samples=2)
+        add(writer, "a")
+        add(writer, "b")  # full: finalized, killed as its index is renamed into place
+
+    killed_at_the_rename(finalize, ".tmp.json")
+    index_dir = state_dir(tmp_path) / "shards/t"
+    (left,) = index_dir.iterdir()  # the index's temporary, and nothing else
+    assert left.name.startswith(".rank0-000001.") and read_indexes(tmp_path) == []
+    text = left.read_text()
+    assert remove_stale(tmp_path, "") == 1  # the run's start: the unrecorded tar temporary, and the index's
+    assert not list(index_dir.iterdir()) and not list((tmp_path / "shards/t").iterdir())
+    writer = ShardWriter(tmp_path, rank=0, tag="", max_bytes=0, max_samples=2)
+    for rid in ("c", "a", "b"):  # nothing was finalized: all three again, shard 000001 = c, a (same size)
+        add(writer, rid)
+    writer.close()
+    left.write_text(text)  # as the temporary stayed before remove_stale knew it: still never an index
+    assert [i["shard"] for i in read_indexes(tmp_path)] == [
+        "shards/t/rank0-000001.tar",
+        "shards/t/rank0-000002.tar",
+    ]
+    drop_superseded(tmp_path, "")
+    assert members(tmp_path) == {
+        "shards/t/rank0-000001.tar": ["c.txt", "a.txt"],
+        "shards/t/rank0-000002.tar": ["b.txt"],
+    }
 
 
 def test_a_temporary_its_index_does_not_record_is_deleted(tmp_path):
