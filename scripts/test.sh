@@ -9,8 +9,8 @@
 # Beside the main tier, at the lowest CPU priority (nice 19: they take the cores only when the main tier leaves
 # them idle, as its tests wait on timeouts, signals and their own processes' start): the exactness rerun, and the
 # guardrail tier (tests/guardrails) in its own virtualenv, .venv-guardrails, set up first: it needs a torchvision
-# that works, which needs the CUDA build of torch (README "Tests", scripts/env.sh). Their logs are printed once
-# the main tier is done.
+# that works, which needs the CUDA build of torch (README "Tests", scripts/env.sh). Their logs' last lines are
+# printed once the main tier is done (a whole log where that run failed).
 source "$(dirname "$0")/env.sh" dev "[dev]"
 ruff check cosmos3_batch tests scripts
 ruff format --check cosmos3_batch tests scripts
@@ -32,18 +32,18 @@ print('AVX2 avx2 AVX2' if torch.backends.cpu.get_cpu_capability().startswith('AV
 lower="MKL_ENABLE_INSTRUCTIONS=$mkl_isa ATEN_CPU_CAPABILITY=$aten_isa ONEDNN_MAX_CPU_ISA=$onednn_isa"
 side="$(mktemp -d)"  # the side runs' logs and pytest folders (apart from the main tier's)
 exact_log="$side/exact.log" guard_log="$side/guardrails.log"
-env $lower nice -n 19 python -m pytest -q -n 2 --dist worksteal -m exact --basetemp "$side/exact" \
+env $lower nice -n 19 python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider -m exact --basetemp "$side/exact" \
   >"$exact_log" 2>&1 &
 exact=$!
-# The guardrail tier's pip set-up waits on the network more than the CPU. Debian's WordNet is installed with
-# the tier's own run (COSMOS3_BATCH_NO_APT=1 here), after the main tier's Slurm tests have used apt.
-COSMOS3_BATCH_NO_APT=1 nice -n 19 bash -c "source '$ROOT/scripts/env.sh' guardrails" >"$guard_log" 2>&1 &
-guard_setup=$!
-trap 'kill "$exact" "$guard_setup" 2>/dev/null || true' EXIT  # a failed tier ends the side runs too
+# The guardrail tier: its virtualenv's set-up (about 30 s), then its tests, in the background as well.
+nice -n 19 bash -c "source '$ROOT/scripts/env.sh' guardrails && python -m pytest -q -n 2 --dist worksteal \
+  -p no:cacheprovider --basetemp '$side/guardrails' tests/guardrails" >"$guard_log" 2>&1 &
+guard=$!
+trap 'kill "$exact" "$guard" 2>/dev/null || true' EXIT  # a failed tier ends the side runs too
 python -m pytest -q -n 2 --dist worksteal
 echo "[test] the exactness tests again with $lower (run beside the main tier)"
 wait "$exact" || { cat "$exact_log"; echo "[test] the exactness rerun failed" >&2; exit 1; }
 tail -n 1 "$exact_log"
-echo "[test] the guardrail tier in its own virtualenv (scripts/env.sh guardrails, set up beside the tests)"
-wait "$guard_setup" || { cat "$guard_log"; echo "[test] setting up .venv-guardrails failed" >&2; exit 1; }
-(source "$ROOT/scripts/env.sh" guardrails && python -m pytest -q -n 2 --dist worksteal tests/guardrails)
+echo "[test] the guardrail tier in its own virtualenv, .venv-guardrails (set up and run beside the main tier)"
+wait "$guard" || { cat "$guard_log"; echo "[test] the guardrail tier failed" >&2; exit 1; }
+tail -n 1 "$guard_log"
