@@ -45,9 +45,8 @@ elif [ ! -f "$stamp" ]; then
   touch "$stamp"
   say "done: $VENV"
 fi
-# COSMOS3_BATCH_NO_APT=1: the pip part only (test.sh sets up this virtualenv in the background while tests
-# install their own Debian packages; it sources this again for the tier, which then installs these).
-if [ "${1:-}" = "guardrails" ] && [ -z "${COSMOS3_BATCH_NO_APT:-}" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
+# apt waits on the dpkg lock: test.sh sets this up beside the main tier, whose Slurm tier may be installing.
+if [ "${1:-}" = "guardrails" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
   # The guardrail tests' blocklist lemmatizes with NLTK's WordNet: Debian's WordNet 3.0 files (tests/guardrails).
   say "installing Debian's wordnet-base and wordnet-sense-index (WordNet 3.0 data files)"
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"

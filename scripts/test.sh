@@ -39,7 +39,8 @@ exact=$!
 nice -n 19 bash -c "source '$ROOT/scripts/env.sh' guardrails && python -m pytest -q -n 2 --dist worksteal \
   -p no:cacheprovider --basetemp '$side/guardrails' tests/guardrails" >"$guard_log" 2>&1 &
 guard=$!
-trap 'kill "$exact" "$guard" 2>/dev/null || true' EXIT  # a failed tier ends the side runs too
+# A failed tier ends the side runs too; their folders go either way (a failed run's log is printed first).
+trap 'kill "$exact" "$guard" 2>/dev/null || true; rm -rf "$side"' EXIT
 python -m pytest -q -n 2 --dist worksteal
 echo "[test] the exactness tests again with $lower (run beside the main tier)"
 wait "$exact" || { cat "$exact_log"; echo "[test] the exactness rerun failed" >&2; exit 1; }
