@@ -196,3 +196,10 @@ def assert_same_outputs(ref: Path, out: Path, ids: list[str]) -> None:
             assert (out / f"{rid}.png").read_bytes() == png.read_bytes(), rid
         else:
             assert (out / f"{rid}.mp4").stat().st_size > 0, rid
+
+
+def pytest_sessionfinish(session) -> None:
+    # The launches the grids shared (tests/dist/jobs.py) end with the session that started them.
+    from tests.dist.jobs import end_shared_launches
+
+    end_shared_launches()
