@@ -11,7 +11,22 @@
 # guardrail tier (tests/guardrails) in its own virtualenv, .venv-guardrails, set up first: it needs a torchvision
 # that works, which needs the CUDA build of torch (README "Tests", scripts/env.sh). Their logs' last lines are
 # printed once the main tier is done (a whole log where that run failed).
-source "$(dirname "$0")/env.sh" dev "[dev]"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+side="" guard="" exact=""
+# A failed step ends the side runs too; their folders go either way (a failed run's log is printed first).
+trap 'kill $exact $guard 2>/dev/null || true; [ -z "$side" ] || rm -rf "$side"' EXIT
+if [ $# -eq 0 ]; then
+  side="$(mktemp -d)"  # the side runs' logs and pytest folders (apart from the main tier's)
+  exact_log="$side/exact.log" guard_log="$side/guardrails.log"
+  # The guardrail tier first of all: its virtualenv's set-up (about 30 s of wall, a minute of CPU) needs
+  # nothing of .venv's, and the set-up below leaves a core idle while pip unpacks torch.
+  # One pytest process, as for the exactness rerun below: a second worker cost its own imports, collection and
+  # fixtures (measured alone: 61 CPU-s on two workers, 47 on one, in about the same wall time).
+  nice -n 19 bash -c "source '$ROOT/scripts/env.sh' guardrails && python -m pytest -q -p no:cacheprovider \
+    --basetemp '$side/guardrails' tests/guardrails" >"$guard_log" 2>&1 &
+  guard=$!
+fi
+source "$ROOT/scripts/env.sh" dev "[dev]"
 ruff check cosmos3_batch tests scripts
 ruff format --check cosmos3_batch tests scripts
 if [ "${1:-}" = "--quick" ]; then
@@ -30,17 +45,13 @@ read -r mkl_isa aten_isa onednn_isa < <(python -c "
 import torch
 print('AVX2 avx2 AVX2' if torch.backends.cpu.get_cpu_capability().startswith('AVX512') else 'AVX default AVX')")
 lower="MKL_ENABLE_INSTRUCTIONS=$mkl_isa ATEN_CPU_CAPABILITY=$aten_isa ONEDNN_MAX_CPU_ISA=$onednn_isa"
-side="$(mktemp -d)"  # the side runs' logs and pytest folders (apart from the main tier's)
-exact_log="$side/exact.log" guard_log="$side/guardrails.log"
-env $lower nice -n 19 python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider -m exact --basetemp "$side/exact" \
+# Only the modules that hold `exact` tests are collected (collecting every module costs about 11 CPU-s, these
+# about 7), in one pytest process: it runs beside the main tier on what CPU that leaves, so a second worker
+# would only add its own imports, collection and module fixtures.
+mapfile -t exact_modules < <(grep -rlE --include='test_*.py' 'mark\.exact' tests | sort)
+env $lower nice -n 19 python -m pytest -q -p no:cacheprovider -m exact --basetemp "$side/exact" "${exact_modules[@]}" \
   >"$exact_log" 2>&1 &
 exact=$!
-# The guardrail tier: its virtualenv's set-up (about 30 s), then its tests, in the background as well.
-nice -n 19 bash -c "source '$ROOT/scripts/env.sh' guardrails && python -m pytest -q -n 2 --dist worksteal \
-  -p no:cacheprovider --basetemp '$side/guardrails' tests/guardrails" >"$guard_log" 2>&1 &
-guard=$!
-# A failed tier ends the side runs too; their folders go either way (a failed run's log is printed first).
-trap 'kill "$exact" "$guard" 2>/dev/null || true; rm -rf "$side"' EXIT
 python -m pytest -q -n 2 --dist worksteal
 echo "[test] the exactness tests again with $lower (run beside the main tier)"
 wait "$exact" || { cat "$exact_log"; echo "[test] the exactness rerun failed" >&2; exit 1; }

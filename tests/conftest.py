@@ -78,19 +78,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     worksteal hands the first worker the first half of the list and the second the rest, and an idle worker
     steals from the end of the other's queue: long tests collected together would be one worker's serial
     tail. So the modules are dealt to two halves longest first (each to the lighter half), long ones at the
-    front of their half, a module's tests kept together (its fixtures are built once per worker)."""
+    front of their half, a module's tests kept together (its fixtures are built once per worker).
+
+    The modules whose grids run in shared launches (tests/dist/jobs.py `torchrun_jobs`: one launch per world
+    size and worker) are dealt as one, to one worker: a launch costs each rank's start-up (about 7 CPU-s),
+    and dealt apart the other worker started launches of the same sizes (21 ranks in all, not 10)."""
     if os.environ.get("PYTEST_XDIST_WORKER_COUNT") != "2":  # set in each worker, which is what collects
         return
+    from tests.dist.jobs import torchrun_jobs
+
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     weight = {path: MODULE_SECONDS.get(path, len(tests)) for path, tests in modules.items()}
+    by_weight = sorted(modules, key=lambda p: -weight[p])
+    shared = [
+        p
+        for p in by_weight
+        if getattr(getattr(modules[p][0], "module", None), "torchrun_jobs", None) is torchrun_jobs
+    ]
+    units = [shared] + [[p] for p in by_weight if p not in shared]
     halves: list[list[str]] = [[], []]
     loads = [0.0, 0.0]
-    for path in sorted(modules, key=lambda p: -weight[p]):
+    for unit in sorted(units, key=lambda u: -sum(weight[p] for p in u)):
         side = loads.index(min(loads))
-        halves[side].append(path)
-        loads[side] += weight[path]
+        halves[side] += unit
+        loads[side] += sum(weight[p] for p in unit)
     first = [item for path in halves[0] for item in modules[path]]
     second = [item for path in halves[1] for item in modules[path]]
     # The first worker takes exactly len(items) // 2: move the lightest tests across until it is so.
