@@ -12,12 +12,12 @@
 # that works, which needs the CUDA build of torch (README "Tests", scripts/env.sh). Their logs' last lines are
 # printed once the main tier is done (a whole log where that run failed).
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-side="" guard="" exact="" native=""
+side="" guard="" exact=""
 # A failed step ends the side runs too; their folders go either way (a failed run's log is printed first).
-trap 'kill $native $exact $guard 2>/dev/null || true; [ -z "$side" ] || rm -rf "$side"' EXIT
+trap 'kill $exact $guard 2>/dev/null || true; [ -z "$side" ] || rm -rf "$side"' EXIT
 if [ $# -eq 0 ]; then
   side="$(mktemp -d)"  # the side runs' logs and pytest folders (apart from the main tier's)
-  native_log="$side/native.log" exact_log="$side/exact.log" guard_log="$side/guardrails.log"
+  exact_log="$side/exact.log" guard_log="$side/guardrails.log"
   # The guardrail tier first of all: its virtualenv's set-up (about 30 s of wall, a minute of CPU) needs
   # nothing of .venv's, and the set-up below leaves a core idle while pip unpacks torch.
   # One pytest process, as for the exactness rerun below: a second worker cost its own imports, collection and
@@ -45,25 +45,14 @@ read -r mkl_isa aten_isa onednn_isa < <(python -c "
 import torch
 print('AVX2 avx2 AVX2' if torch.backends.cpu.get_cpu_capability().startswith('AVX512') else 'AVX default AVX')")
 lower="MKL_ENABLE_INSTRUCTIONS=$mkl_isa ATEN_CPU_CAPABILITY=$aten_isa ONEDNN_MAX_CPU_ISA=$onednn_isa"
-# The in-process exact tests (about 3 CPU-minutes) run beside the main tier too, at this CPU's own instruction
-# set, and the whole exact set once more one step lower. Beside it, at nice 19, they take what CPU the main
-# tier leaves idle while it waits (on collective timeouts, signals, Slurm, its processes' start): in the main
-# tier they only lengthened it, and the side runs ran out of work minutes before it ended, its idle unused.
-# The dist ones (tests/dist/test_sp.py) stay in the main tier, where they share its launches (tests/dist/jobs.py).
 # Only the modules that hold `exact` tests are collected (collecting every module costs about 11 CPU-s, these
-# about 7), each run in one pytest process: a second worker would only add its own imports, collection and
-# module fixtures.
+# about 7), in one pytest process: it runs beside the main tier on what CPU that leaves, so a second worker
+# would only add its own imports, collection and module fixtures.
 mapfile -t exact_modules < <(grep -rlE --include='test_*.py' 'mark\.exact' tests | sort)
-nice -n 19 python -m pytest -q -p no:cacheprovider -m "exact and not dist" --basetemp "$side/native" \
-  "${exact_modules[@]}" >"$native_log" 2>&1 &
-native=$!
 env $lower nice -n 19 python -m pytest -q -p no:cacheprovider -m exact --basetemp "$side/exact" "${exact_modules[@]}" \
   >"$exact_log" 2>&1 &
 exact=$!
-python -m pytest -q -n 2 --dist worksteal -m "dist or not exact"
-echo "[test] the in-process exactness tests at this CPU's instruction set (run beside the main tier)"
-wait "$native" || { cat "$native_log"; echo "[test] the exactness tests failed" >&2; exit 1; }
-tail -n 1 "$native_log"
+python -m pytest -q -n 2 --dist worksteal
 echo "[test] the exactness tests again with $lower (run beside the main tier)"
 wait "$exact" || { cat "$exact_log"; echo "[test] the exactness rerun failed" >&2; exit 1; }
 tail -n 1 "$exact_log"
