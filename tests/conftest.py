@@ -82,7 +82,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     The modules whose grids run in shared launches (tests/dist/jobs.py `torchrun_jobs`: one launch per world
     size and worker) are dealt as one, to one worker: a launch costs each rank's start-up (about 7 CPU-s),
-    and dealt apart the other worker started launches of the same sizes (21 ranks in all, not 10)."""
+    and dealt apart the other worker started launches of the same sizes (21 ranks in all; worlds 1 to 4 on one
+    worker are 10)."""
     if os.environ.get("PYTEST_XDIST_WORKER_COUNT") != "2":  # set in each worker, which is what collects
         return
     from tests.dist.jobs import torchrun_jobs

@@ -1,8 +1,8 @@
 """Several `cosmos3_batch run` jobs, one after another, in the ranks of one real `torchrun` launch.
 
-A rank spends ~12 s of CPU importing torch, diffusers and transformers before its job starts, and the tiny
-jobs of the grids take a few seconds each: on a 2-core machine the start-up, not the job, was most of the
-suite. So a grid launches torchrun once per world size and runs every configuration of that world in it.
+A rank spends about 7 s of CPU importing torch, diffusers and transformers before its job starts
+(docs/testing.md), and the tiny jobs of the grids take a few seconds each: on a 2-core machine the start-up,
+not the job, was most of the suite. So the grids' jobs run one after another in the ranks of a launch.
 
 Each job gets a process group of its own, as a fresh launch would: rank 0 picks a free port for it and
 posts it in torchrun's store; every rank then initialises from `MASTER_PORT` = that port with rank 0
@@ -19,7 +19,8 @@ as DIR/<id>.npy, from the rank that writes it.
 
 The grids of every module share their launches: `torchrun_jobs` keeps one launch per world size for the
 pytest process (an xdist worker) and hands it each grid in turn, where a launch per grid paid the start-up
-again for 2-4 ranks and their agent (16 launches in one run of the suite, about 5 CPU-s each rank):
+again for its 1-4 ranks and their agent (one run of the suite: 16 launches of 38 ranks in all before, 21 ranks
+with both workers' shared launches):
 
     python -m torch.distributed.run --nproc-per-node N -m tests.dist.jobs --serve PORT
 
