@@ -259,13 +259,13 @@ def torchrun_jobs(
     input); their exit codes. Asserts the launch ran them all (whatever their codes), with its log if not:
     folder/stderr.txt holds every rank's standard error while they ran."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "jobs.json").write_text(json.dumps([[str(a) for a in args] for args in jobs]))
     given = None
     if stdin is not None:
         given = folder / "stdin"
         given.write_bytes(stdin)
-    launch = _LAUNCHES.get(nproc) or _LAUNCHES.setdefault(nproc, SharedLaunch(nproc))
-    codes = launch.run([[str(a) for a in args] for args in jobs], folder, timeout, given)
+    if nproc not in _LAUNCHES:
+        _LAUNCHES[nproc] = SharedLaunch(nproc)
+    codes = _LAUNCHES[nproc].run([[str(a) for a in args] for args in jobs], folder, timeout, given)
     if codes is None:
         del _LAUNCHES[nproc]  # the next grid of this size starts a new launch
     log = (folder / "stderr.txt").read_text(errors="replace") if (folder / "stderr.txt").exists() else ""
