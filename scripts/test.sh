@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs into .venv (with the dev extras: pytest, ruff, accelerate for the reference pipeline), lints, then:
+# Installs .venv (torch and the project: the jobs the tests start run there, as a user's would) and .venv-dev
+# (the same plus the dev extras: pytest, ruff, accelerate for the reference pipeline, ...; scripts/env.sh),
+# lints, then:
 #   bash scripts/test.sh            every test tier this machine can run (GPU tests skip without CUDA), on two
 #                                   pytest-xdist workers (worksteal: an idle worker takes tests from a busy one), and
 #                                   the exactness tests (marker `exact`) once more under a lower instruction
@@ -26,7 +28,7 @@ if [ $# -eq 0 ]; then
     --basetemp '$side/guardrails' tests/guardrails" >"$guard_log" 2>&1 &
   guard=$!
 fi
-source "$ROOT/scripts/env.sh" dev "[dev]"
+source "$ROOT/scripts/env.sh" dev
 ruff check cosmos3_batch tests scripts
 ruff format --check cosmos3_batch tests scripts
 if [ "${1:-}" = "--quick" ]; then

@@ -47,6 +47,10 @@ from datetime import timedelta
 from pathlib import Path
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# The interpreter jobs run on: .venv's (scripts/env.sh exports it), the install users have, without the
+# dev extras the test process holds (whose scipy alone costs each job process about 1 CPU-s of imports);
+# the test process's own where it is not set (pytest started by hand in a single virtualenv).
+JOB_PYTHON = os.environ.get("COSMOS3_BATCH_JOB_PYTHON") or sys.executable
 CAPTURE_FRAMES = "--test-capture-frames"  # not a flag of ours: _run_one strips it
 
 
@@ -187,7 +191,7 @@ class SharedLaunch:
         self.orders = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_IDLE)
         self.count = 0
         self.folder = Path(tempfile.mkdtemp(prefix=f"cosmos3-launch-{nproc}-"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "tests.dist.jobs", "--serve", str(self.orders.port)]
         with open(self.folder / "launch.log", "wb") as log:  # the agent's lines, and a rank's outside orders
             self.proc = subprocess.Popen(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from cosmos3_batch.requests.chain import DEFAULT_CAPTION, DEFAULT_TEMPLATE, Upsa
 from cosmos3_batch.requests.parse import Request
 from cosmos3_batch.requests.reason import ReasonSpec
 from tests.conftest import moving_square, write_jsonl
-from tests.dist.jobs import ENV, torchrun_jobs
+from tests.dist.jobs import ENV, JOB_PYTHON, torchrun_jobs
 from tests.dist.test_checkpoints import one_thread, requests_for
 from tests.dist.test_resume import preempt
 from tests.dist.test_runs import assert_lockstep
@@ -124,7 +123,7 @@ def test_a_mixed_chained_job_at_world_2_equals_generate_and_diffusers(tiny_reaso
 def launch(prompts: Path, model: Path, out: Path, log: Path) -> subprocess.Popen:
     """The slow job under a real 2-rank torchrun; its output to `log` (a pipe nobody reads until the kill
     could fill and stall the job)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(model), "--out", str(out)]
     cmd += ["--save-latents", "--no-progress", "--max-active", "1", *FLAGS]
     with open(log, "wb") as f:

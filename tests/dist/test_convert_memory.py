@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
+from tests.dist.jobs import JOB_PYTHON
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_convert_peak_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None
     src = write_tiny(tmp_path / "src", spec)
     model_bytes = (src / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-c", PROBE, str(src), str(tmp_path / "dst")]
+    cmd = [JOB_PYTHON, "-c", PROBE, str(src), str(tmp_path / "dst")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak_delta"]

@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import write_jsonl
-from tests.dist.jobs import ENV
+from tests.dist.jobs import ENV, JOB_PYTHON
 
 pytestmark = pytest.mark.dist
 
 
 def launch(tmp_path: Path, prompts: Path, model: Path, out: Path) -> tuple[int, str, Path]:
     logs = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
     cmd += ["--log-dir", str(logs), "-m", "cosmos3_batch", "run", str(prompts), "--model", str(model)]
     proc = subprocess.run([*cmd, "--out", str(out), "--no-progress"], env=ENV, capture_output=True, text=True)
     return proc.returncode, proc.stdout + proc.stderr, logs
@@ -72,7 +71,7 @@ def test_a_slow_load_on_one_rank_waits_for_load_timeout_not_the_collective_timeo
     folder = tmp_path / "launch"
     folder.mkdir()
     (folder / "jobs.json").write_text(json.dumps([[str(a) for a in args]]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "tests.dist.slow_load_worker", "8", str(folder / "jobs.json"), str(folder / "codes.json")]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,7 +86,7 @@ def test_a_configuration_error_is_said_once_under_either_launcher(tmp_path, laun
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}])
     empty = tmp_path / "not-a-model"
     empty.mkdir()
-    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", launcher, "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "tests.dist.slow_rank_zero", "3", "run"]
     cmd += [str(prompts), "--model", str(empty), "--out", str(tmp_path / "out"), "--no-progress"]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
+from tests.dist.jobs import JOB_PYTHON
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def wide_ckpt(tmp_path_factory) -> Path:
 
 def probe(ckpt: Path, mode: str, tmp_path: Path) -> list[dict]:
     out = tmp_path / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(ROOT / "scripts" / "tools" / "mem_probe.py"), str(ckpt), mode, str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import write_jsonl
-from tests.dist.jobs import ENV
+from tests.dist.jobs import ENV, JOB_PYTHON
 
 pytestmark = pytest.mark.dist
 # Two short requests are written within a few passes of the start, while the others run 40 steps, and the
@@ -49,7 +48,7 @@ def test_the_metrics_textfile_has_the_jobs_counts_while_it_runs_and_at_its_end(t
     out, textfile = tmp_path / "out", tmp_path / "metrics" / "cosmos3.prom"
     textfile.parent.mkdir()
     (out / "m3.png").mkdir(parents=True)  # its write fails: one failed request
-    cmd = [sys.executable, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
     cmd += ["--no-progress", "--max-active", "2", "--metrics-textfile", str(textfile)]
     cmd += ["--metrics-interval-s", "0.1"]  # the passes of this tiny job take about 1.5 s in all
@@ -89,7 +88,7 @@ def test_the_metrics_textfile_has_the_jobs_counts_while_it_runs_and_at_its_end(t
     labels = end["cosmos3_batch_running"][1][0].labels
     assert labels["job"] and labels["array_task"] == "", labels  # torchrun's run id (no Slurm here)
     status = subprocess.run(
-        [sys.executable, "-m", "cosmos3_batch", "status", str(out), "--input", str(prompts), "--json"],
+        [JOB_PYTHON, "-m", "cosmos3_batch", "status", str(out), "--input", str(prompts), "--json"],
         env=ENV, capture_output=True, text=True,
     )  # fmt: skip
     report = json.loads(status.stdout)

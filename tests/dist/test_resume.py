@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 from collections import Counter
@@ -25,7 +24,7 @@ from safetensors.torch import load, load_file
 
 from cosmos3_batch.io.shard_index import finish_renames, read_indexes
 from tests.conftest import write_jsonl
-from tests.dist.jobs import ENV, run_here
+from tests.dist.jobs import ENV, JOB_PYTHON, run_here
 
 pytestmark = pytest.mark.dist
 ROWS = [
@@ -42,7 +41,7 @@ ROWS = [
 
 
 def launch(prompts, tiny_ckpt, out) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out)]
     cmd += [
         "--save-latents",

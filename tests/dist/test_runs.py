@@ -8,7 +8,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from cosmos3_batch.model.cosmos3 import GEN, layer_parts
 from cosmos3_batch.model.loading import build_transformer_on_meta
 from cosmos3_batch.plan.prefill import PrefillRule
 from tests.conftest import assert_same_outputs, write_jsonl
-from tests.dist.jobs import ENV, free_port, run_here, torchrun_jobs
+from tests.dist.jobs import ENV, JOB_PYTHON, free_port, run_here, torchrun_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -260,7 +259,7 @@ def kill_rank_1_midrun(run_args: list[str], out: Path) -> tuple[subprocess.Popen
     """Two ranks as plain processes (no torchrun to tear the survivor down); once a first sidecar exists,
     SIGKILL rank 1 (request ids start with k). (rank 0, seconds from the kill until it exited, its stderr)."""
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "cosmos3_batch", "run", *run_args, "--out", str(out)]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch", "run", *run_args, "--out", str(out)]
     # The survivor's meeting waits min(timeout, 60 s) for the dead rank, which never comes: 10 s, as
     # test_stall.py's stalls (above the start-up skew of two ranks on a busy 2-core machine).
     cmd += ["--max-active", "1", "--no-progress", "--collective-timeout-s", "10"]

@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from safetensors.torch import load_file
 from cosmos3_batch.parallel.launch import AGENT_MARGIN_S
 from cosmos3_batch.parallel.stall import BOUND_S
 from tests.conftest import assert_same_outputs, write_jsonl
-from tests.dist.jobs import ENV, run_here
+from tests.dist.jobs import ENV, JOB_PYTHON, run_here
 from tests.dist.test_stop import alive, children, command, ok_rows
 
 pytestmark = pytest.mark.dist
@@ -205,7 +204,7 @@ def test_a_local_error_that_speaks_of_a_timeout_exits_1_not_69(tmp_path, tiny_ck
     its own crash (exit 1, its traceback), not a peer's stall: only a collective call's failure is a peer's.
     Rank 0, whose load barrier then loses rank 1, is the one that sees a peer go."""
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS[:2])
-    launch = [sys.executable, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
+    launch = [JOB_PYTHON, "-m", "cosmos3_batch.parallel.launch", "--standalone", "--nproc-per-node=2"]
     args = ["run", str(prompts), "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--no-progress"]
     done = subprocess.run(
         [*launch, "-m", "tests.dist.local_error_worker", *args, "--collective-timeout-s", str(TIMEOUT_S)],

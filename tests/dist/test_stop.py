@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_same_outputs, write_jsonl
-from tests.dist.jobs import ENV, run_here
+from tests.dist.jobs import ENV, JOB_PYTHON, run_here
 
 pytestmark = pytest.mark.dist
 SEED = 22
@@ -45,9 +44,9 @@ def command(nproc: int, prompts: Path, model: Path, out: Path, sp: int = 1) -> l
     run = ["-m", "cosmos3_batch", "run", str(prompts), "--model", str(model), "--out", str(out)]
     run += ["--save-latents", "--no-progress", "--max-active", "2", "--sp", str(sp)]
     if nproc == 1:
-        return [sys.executable, *run]
+        return [JOB_PYTHON, *run]
     launcher = [
-        sys.executable,
+        JOB_PYTHON,
         "-m",
         "cosmos3_batch.parallel.launch",
         "--standalone",

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from cosmos3_batch.pipeline.job.run import run_job
 from cosmos3_batch.plan.schedule import assign
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
+from tests.dist.jobs import JOB_PYTHON
 from tests.guardrails.tiny_guardrails import BLOCKED_WORD, EXACT_WORD
 from tests.reference import reference_kwargs
 
@@ -138,7 +138,7 @@ def test_two_ranks_one_all_blocked_keep_lockstep(tiny_ckpt, guard_cache, tmp_pat
             row["prompt"] = f"a {BLOCKED_WORD} number {row['seed']}"
     write_jsonl(prompts, rows_)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+    cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out), "--guardrails",
            "--no-progress"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -10,7 +10,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import pytest
 
 from cosmos3_batch.plan.schedule import in_shard
 from tests.conftest import assert_same_outputs, write_jsonl
-from tests.dist.jobs import run_here
+from tests.dist.jobs import JOB_PYTHON, run_here
 from tests.slurm.conftest import FINAL_STATES, JOB_DEADLINE_S, Cluster, Job, binary, free_port, job_logs, poll
 
 pytestmark = pytest.mark.slurm
@@ -66,7 +65,7 @@ def _cosmos(*args: str | Path) -> None:
     # torchrun gives each worker one thread; the reference must use the same (CPU GEMMs reduce in a
     # thread-count-dependent order).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "cosmos3_batch", *map(str, args)]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch", *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-3000:]}"
 
@@ -93,10 +92,11 @@ def jobs(cluster: Cluster, workload: Workload) -> dict[str, Job]:
         "PYTHONUNBUFFERED": "1",
         "COSMOS3_BATCH_CACHE": str(workload.root / "cache"),  # only used if MODEL were ignored
     }
-    if (Path(sys.prefix) / "bin" / "activate").exists():
-        common["VENV"] = sys.prefix
+    venv = Path(JOB_PYTHON).parents[1]  # the jobs' virtualenv (tests/dist/jobs.py), activated by the script
+    if (venv / "bin" / "activate").exists():
+        common["VENV"] = str(venv)
     else:
-        common["PYTHON"] = sys.executable
+        common["PYTHON"] = JOB_PYTHON
     root = workload.root
     submitted = {}
     # First, and its test runs first: the requeue should land while this job runs.

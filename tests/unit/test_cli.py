@@ -6,7 +6,6 @@ import csv
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 from cosmos3_batch.cli import app
 from cosmos3_batch.model import numerics
 from tests.conftest import write_jsonl
+from tests.dist.jobs import JOB_PYTHON
 
 IMAGE = {"id": "img", "prompt": "a red cube", "num_frames": 1, "size": "32x48", "num_inference_steps": 2}
 VIDEO = {
@@ -228,7 +228,7 @@ def test_max_reason_active_below_1_is_refused_before_loading(tmp_path):
 
 def test_python_dash_m_entry_point(job, tiny_ckpt):
     prompts, out = job
-    cmd = [sys.executable, "-m", "cosmos3_batch", "run", prompts, "--model", tiny_ckpt, "--out", out]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch", "run", prompts, "--model", tiny_ckpt, "--out", out]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "2 generated, 0 failed" in proc.stdout

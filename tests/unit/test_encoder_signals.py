@@ -6,8 +6,9 @@ the job is stopping and failed otherwise (pipeline/finish/results.py)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
+
+from tests.dist.jobs import JOB_PYTHON
 
 CHILD = textwrap.dedent(
     """
@@ -46,7 +47,7 @@ CHILD = textwrap.dedent(
 def test_ctrl_c_to_the_process_group_does_not_kill_the_encoder(tmp_path):
     out = tmp_path / "v.mp4"
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD],
+        [JOB_PYTHON, "-c", CHILD],
         env={**__import__("os").environ, "OUT": str(out)},
         capture_output=True,
         text=True,

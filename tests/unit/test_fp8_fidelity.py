@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from cosmos3_batch.pipeline.passes.runner import PassRunner
 from cosmos3_batch.pipeline.passes.weights import ResidentWeights
 from cosmos3_batch.requests.parse import load_requests
 from tests.conftest import write_jsonl
+from tests.dist.jobs import JOB_PYTHON
 from tests.fp8_reference import reference_latents
 
 ROWS = [
@@ -135,7 +135,7 @@ def test_a16_through_the_engine_single_process(tiny_ckpt, fp8_ckpt, requests_, t
     """The DLO engine with parts that hold two dtypes (e4m3 weights, float32 scales): still bit-exact."""
     expected = reference_latents(tiny_ckpt, fp8_ckpt, requests_)
     prompts = write_jsonl(tmp_path / "p.jsonl", ROWS)
-    cmd = [sys.executable, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(fp8_ckpt)]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(fp8_ckpt)]
     cmd += ["--out", str(tmp_path / "o"), "--offload", "allgather", "--fp8-compute", "a16", "--save-latents"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=240, env=env)

@@ -19,7 +19,7 @@ from cosmos3_batch.requests.fields import MAX_SEED
 from cosmos3_batch.requests.parse import RequestFileError, load_requests
 from cosmos3_batch.requests.sources import Columns
 from tests.conftest import write_jsonl
-from tests.dist.jobs import run_here
+from tests.dist.jobs import JOB_PYTHON, run_here
 from tests.reference import reference_kwargs
 
 # Every kind of field a table must carry: text, integers, floats, booleans, a list (condition_frames is
@@ -274,7 +274,6 @@ def test_a_kill_mid_fan_out_resumes_the_missing_samples(tiny_ckpt, tmp_path):
     import os
     import signal
     import subprocess
-    import sys
     import time
     from collections import Counter
 
@@ -284,7 +283,7 @@ def test_a_kill_mid_fan_out_resumes_the_missing_samples(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
     args = ["run", str(prompts), "--model", str(tiny_ckpt), "--out", str(out), "--max-active", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "cosmos3_batch", *args, "--no-progress"], env=env)
+    job = subprocess.Popen([JOB_PYTHON, "-m", "cosmos3_batch", *args, "--no-progress"], env=env)
     deadline = time.monotonic() + 180
     while len(list(out.glob("s-*.json"))) < 2 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import cosmos3_batch
 from cosmos3_batch.model import numerics
+from tests.dist.jobs import JOB_PYTHON
 
 PROBE = (
     "import os, cosmos3_batch, torch; from cosmos3_batch.model.numerics import mkl_cnr_mode; "
@@ -20,7 +20,7 @@ def _probe(**env: str | None) -> str:
     environ = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", cosmos3_batch.CNR_MARK)}
     environ.update({k: v for k, v in env.items() if v is not None})
     return subprocess.run(
-        [sys.executable, "-c", PROBE], env=environ, capture_output=True, text=True, check=True
+        [JOB_PYTHON, "-c", PROBE], env=environ, capture_output=True, text=True, check=True
     ).stdout
 
 
@@ -40,7 +40,7 @@ def test_a_child_of_ours_reports_the_mode_as_ours_and_a_users_equal_mode_as_thei
     base = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", cosmos3_batch.CNR_MARK)}
     launcher = subprocess.run(
         [
-            sys.executable,
+            JOB_PYTHON,
             "-c",
             "import os, subprocess, sys, cosmos3_batch; "
             f"sys.exit(subprocess.run([sys.executable, '-c', {probe!r}]).returncode)",
@@ -52,7 +52,7 @@ def test_a_child_of_ours_reports_the_mode_as_ours_and_a_users_equal_mode_as_thei
     )
     assert launcher.stdout.strip() == "True"
     user = subprocess.run(
-        [sys.executable, "-c", probe], env={**base, "MKL_CBWR": "AUTO,STRICT"}, capture_output=True, text=True
+        [JOB_PYTHON, "-c", probe], env={**base, "MKL_CBWR": "AUTO,STRICT"}, capture_output=True, text=True
     )
     assert user.stdout.strip() == "False"
 

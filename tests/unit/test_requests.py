@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 
 import pytest
 from PIL import Image
@@ -26,6 +25,7 @@ from cosmos3_batch.requests.parse import (
 )
 from cosmos3_batch.requests.reason import ReasonSpec
 from cosmos3_batch.requests.transfer import TransferSpec
+from tests.dist.jobs import JOB_PYTHON
 
 DROP = object()  # marks a key to remove from the base request in a table row
 
@@ -596,7 +596,7 @@ def test_module_does_not_import_torch():
     code = (
         f"import cosmos3_batch.requests.parse, sys; assert not {heavy} & set(sys.modules), sys.modules.keys()"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([JOB_PYTHON, "-c", code], check=True)
 
 
 def test_sound_on_a_checkpoint_without_it_is_named():

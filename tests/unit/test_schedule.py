@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -18,6 +17,7 @@ from cosmos3_batch.plan.schedule import (
     vision_tokens,
 )
 from cosmos3_batch.requests.parse import parse_lines
+from tests.dist.jobs import JOB_PYTHON
 
 
 def requests(*rows: str):
@@ -99,7 +99,7 @@ def test_more_ranks_than_requests_and_empty():
 
 def test_schedule_imports_no_torch():
     code = "import cosmos3_batch.plan.schedule, sys; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([JOB_PYTHON, "-c", code], check=True)
 
 
 def test_shards_partition_the_file_and_are_stable():
