@@ -10,12 +10,11 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from tests.dist.jobs import JOB_PYTHON
 
 pytestmark = pytest.mark.dist
 
@@ -63,7 +62,8 @@ def expected_counters(mode: str, world: int, order: list[int]) -> dict[str, int]
 
 def launch(out: Path, world: int, scenario: str) -> tuple[int, str, list[dict]]:
     """torchrun the worker (standalone: a free port each time); return code, output, each rank's JSON."""
-    cmd = [JOB_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    # The test process's interpreter: the worker imports a test module (FakeCuda), and no diffusers.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     cmd += [str(WORKER), "--ckpt", str(out / "ckpt"), "--out", str(out), "--scenario", scenario]
     proc = subprocess.Popen(
         cmd,
