@@ -22,7 +22,7 @@ from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.requests.parse import load_requests
-from tests.conftest import write_jsonl
+from tests.conftest import write_jsonl, x264_settings
 from tests.dist.jobs import CAPTURE_FRAMES, run_here, torchrun_jobs
 from tests.dist.test_runs import kill_rank_1_midrun
 from tests.reference import reference_kwargs
@@ -155,7 +155,11 @@ def check_vae_run(reference: Path, out: Path, world: int, sp: int, parts: int) -
             frames, np.load(reference / "frames" / f"{rid}.npy")
         )
         name = f"{rid}.png" if row["num_frames"] == 1 else f"{rid}.mp4"
-        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+        got, want = (out / name).read_bytes(), (reference / name).read_bytes()
+        if got != want:  # equal frames, different bytes: say how each file was encoded
+            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+            detail = [len(got), len(want), first, x264_settings(out / name), x264_settings(reference / name)]
+            raise AssertionError(f"{name}: bytes differ (sizes, first byte, encoders): {detail}")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == len(VAE_ROWS) and summary["config"]["vae_patch_parallel_size"] == parts
     ranks = summary["ranks"]
