@@ -71,6 +71,11 @@ if [ "${1:-}" = "guardrails" ]; then
   export COSMOS3_BATCH_JOB_PYTHON="$VENV/bin/python"
 else
   RUN_VENV="${COSMOS3_BATCH_VENV:-$ROOT/.venv}"
+  if compgen -G "$RUN_VENV/.installed-*-dev" >/dev/null; then
+    # Made by an older env.sh, which put the dev extras into .venv too: the jobs under test would import them.
+    say "$RUN_VENV holds the dev extras (an older layout; they now live in .venv-dev): making it again"
+    rm -rf "$RUN_VENV"
+  fi
   make_venv "$RUN_VENV"
   stamp="$(stamp_of "$RUN_VENV" run)"
   if [ ! -f "$stamp" ]; then
