@@ -88,13 +88,15 @@ else
   if [ "${1:-}" = "dev" ]; then
     VENV="${COSMOS3_BATCH_DEV_VENV:-$ROOT/.venv-dev}"
     make_venv "$VENV"
-    stamp="$(stamp_of "$VENV" dev)"
+    # The packages both hold at .venv's versions: the tests compare what a job wrote (.venv) with what the
+    # reference pipeline computed in the test process (.venv-dev) bit for bit. A dev extra that needs
+    # another version fails here, by name. The stamp names .venv's versions too: a .venv made again (other
+    # versions) makes this one follow.
+    pins="$VENV/constraints.txt"
+    "$RUN_VENV/bin/python" -m uv pip freeze -q --exclude-editable --python "$RUN_VENV/bin/python" >"$pins.new"
+    stamp="$(stamp_of "$VENV" "dev-$(sha256sum <"$pins.new" | cut -c1-16)")"
+    mv "$pins.new" "$pins"
     if [ ! -f "$stamp" ]; then
-      # The packages both hold at .venv's versions: the tests compare what a job wrote (.venv) with what the
-      # reference pipeline computed in the test process (.venv-dev) bit for bit. A dev extra that needs
-      # another version fails here, by name.
-      pins="$VENV/constraints.txt"
-      "$RUN_VENV/bin/python" -m uv pip freeze --python "$RUN_VENV/bin/python" | grep -v '^-e ' >"$pins"
       install_project "$VENV" "[dev]" "$pins"
       touch "$stamp"
       say "done: $VENV"

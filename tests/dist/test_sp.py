@@ -156,10 +156,7 @@ def check_vae_run(reference: Path, out: Path, world: int, sp: int, parts: int) -
         )
         name = f"{rid}.png" if row["num_frames"] == 1 else f"{rid}.mp4"
         got, want = (out / name).read_bytes(), (reference / name).read_bytes()
-        if got != want:  # equal frames, different bytes: say how each file was encoded
-            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-            detail = [len(got), len(want), first, x264_settings(out / name), x264_settings(reference / name)]
-            raise AssertionError(f"{name}: bytes differ (sizes, first byte, encoders): {detail}")
+        assert got == want, bytes_mismatch(out / name, reference / name)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated_ok"] == len(VAE_ROWS) and summary["config"]["vae_patch_parallel_size"] == parts
     ranks = summary["ranks"]
@@ -177,6 +174,14 @@ def check_vae_run(reference: Path, out: Path, world: int, sp: int, parts: int) -
     assert sum(members[0]["vae_split_decodes"] for members in groups) == decodes
     assert sum(members[0]["vae_split_encodes"] for members in groups) == encodes
     assert all(r["vae_messages"] > 0 for members in groups for r in members[:2])
+
+
+def bytes_mismatch(got: Path, want: Path) -> str:
+    """Equal frames, different files: each file's size, the first byte that differs, how x264 was set up."""
+    a, b = got.read_bytes(), want.read_bytes()
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    encoders = f"x264: {x264_settings(got)!r} vs {x264_settings(want)!r}"
+    return f"{got.name}: {len(a)} vs {len(b)} bytes, first difference at {first}; {encoders}"
 
 
 def plan_passes(prompts, ckpt, world: int, sp: int, mode: str) -> dict:

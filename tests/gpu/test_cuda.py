@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import write_jsonl
+from tests.dist.jobs import JOB_PYTHON
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +23,7 @@ ROWS = [
 
 
 def run(tiny_ckpt, prompts, out, offload):
-    cmd = [sys.executable, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt)]
+    cmd = [JOB_PYTHON, "-m", "cosmos3_batch", "run", str(prompts), "--model", str(tiny_ckpt)]
     cmd += ["--out", str(out), "--offload", offload, "--device", "cuda", "--save-latents", "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
