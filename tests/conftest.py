@@ -212,16 +212,6 @@ def assert_same_outputs(ref: Path, out: Path, ids: list[str]) -> None:
             assert (out / f"{rid}.mp4").stat().st_size > 0, rid
 
 
-def x264_settings(path: Path) -> str:
-    """The options x264 wrote into an MP4's stream (threads=N among them): a mismatch of two MP4s whose
-    frames are equal says in its message whether the encoders were set up alike (the files are gone after)."""
-    data = path.read_bytes()
-    start = data.find(b"x264 - core")
-    if start < 0:
-        return "no x264 header"
-    return data[start : start + 1000].split(b"\0")[0].decode(errors="replace")
-
-
 def pytest_sessionfinish(session) -> None:
     # The launches the grids shared (tests/dist/jobs.py) end with the session that started them.
     from tests.dist.jobs import end_shared_launches
