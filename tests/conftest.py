@@ -217,3 +217,12 @@ def pytest_sessionfinish(session) -> None:
     from tests.dist.jobs import end_shared_launches
 
     end_shared_launches()
+
+
+def x264_settings(path: Path) -> str:
+    """The options x264 wrote into an MP4's stream (threads=N among them): what set-up made the file."""
+    data = path.read_bytes()
+    start = data.find(b"x264 - core")
+    if start < 0:
+        return "no x264 header"
+    return data[start : start + 1000].split(b"\0")[0].decode(errors="replace")

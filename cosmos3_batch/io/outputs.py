@@ -270,16 +270,23 @@ def render_mp4(tmp: Path, frames: np.ndarray, fps: float, audio: tuple | None, f
 
 
 def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
-    """H.264 in yuv420p at crf 10, from raw RGB frames on ffmpeg's stdin (the flags imageio's writer passes
-    for quality 8, so outputs keep their bytes), with ffmpeg's exit status checked."""
+    """H.264 in yuv420p at crf 10 (the flags imageio's writer passes for quality 8), from raw RGB frames on
+    ffmpeg's stdin, with ffmpeg's exit status checked.
+
+    On one thread, x264 and the RGB -> YUV conversion both: the same frames give the same bytes on every run,
+    whatever the load and the node's CPU count. By default x264 takes 1.5 threads per CPU, and its output depends on that count (a
+    5-frame clip gave five different files at 1, 2, 3, 4 and 6 threads) and, rarely, on the threads' timing
+    under load (5 encodes in 3,800 here: docs/outputs.md "MP4 bytes")."""
     from fractions import Fraction
 
     count, height, width, _ = frames.shape
     if width % 16 or height % 16:  # sizes are multiples of the latent cell (requests/fields.py)
         raise EncoderError(f"cannot encode {width}x{height}: not a multiple of 16")
     rate = str(Fraction(fps).limit_denominator())
-    source = ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}", "-pix_fmt", "rgb24"]
-    encode = ["-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", "10", "-f", "mp4", str(tmp)]
+    source = ["-filter_threads", "1", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
+    source += ["-pix_fmt", "rgb24"]
+    encode = ["-an", "-vcodec", "libx264", "-threads", "1", "-pix_fmt", "yuv420p", "-crf", "10"]
+    encode += ["-f", "mp4", str(tmp)]
     data = memoryview(np.ascontiguousarray(frames, dtype=np.uint8)).cast("B")  # no copy of the whole clip
     run_ffmpeg([*source, "-r", rate, "-i", "-", *encode], f"encode {count} frames", stdin=data)
 

@@ -22,7 +22,7 @@ from cosmos3_batch.cli import app
 from cosmos3_batch.model.tiny import TinySpec, write_tiny
 from cosmos3_batch.model.vae_shards import plan_cut
 from cosmos3_batch.requests.parse import load_requests
-from tests.conftest import write_jsonl
+from tests.conftest import write_jsonl, x264_settings
 from tests.dist.jobs import CAPTURE_FRAMES, run_here, torchrun_jobs
 from tests.dist.test_runs import kill_rank_1_midrun
 from tests.reference import reference_kwargs
@@ -174,16 +174,6 @@ def check_vae_run(reference: Path, out: Path, world: int, sp: int, parts: int) -
     assert sum(members[0]["vae_split_decodes"] for members in groups) == decodes
     assert sum(members[0]["vae_split_encodes"] for members in groups) == encodes
     assert all(r["vae_messages"] > 0 for members in groups for r in members[:2])
-
-
-def x264_settings(path: Path) -> str:
-    """The options x264 wrote into an MP4's stream (threads=N among them): a mismatch of two MP4s whose
-    frames are equal says in its message whether the encoders were set up alike (the files are gone after)."""
-    data = path.read_bytes()
-    start = data.find(b"x264 - core")
-    if start < 0:
-        return "no x264 header"
-    return data[start : start + 1000].split(b"\0")[0].decode(errors="replace")
 
 
 def bytes_mismatch(got: Path, want: Path) -> str:
