@@ -47,10 +47,13 @@ read -r mkl_isa aten_isa onednn_isa < <(python -c "
 import torch
 print('AVX2 avx2 AVX2' if torch.backends.cpu.get_cpu_capability().startswith('AVX512') else 'AVX default AVX')")
 lower="MKL_ENABLE_INSTRUCTIONS=$mkl_isa ATEN_CPU_CAPABILITY=$aten_isa ONEDNN_MAX_CPU_ISA=$onednn_isa"
-# Only the modules that hold `exact` tests are collected (collecting every module costs about 11 CPU-s, these
-# about 7), in one pytest process: it runs beside the main tier on what CPU that leaves, so a second worker
-# would only add its own imports, collection and module fixtures.
-mapfile -t exact_modules < <(grep -rlE --include='test_*.py' 'mark\.exact' tests | sort)
+# The in-process tier's `exact` tests: only the modules that hold them are collected (collecting every module
+# costs about 11 CPU-s), in one pytest process, since it runs beside the main tier on what CPU that leaves. The
+# one `exact` test under tests/dist, test_sp's grids, stays in the main tier: the CPU facts its shards rest on
+# (a GEMM row's bits whatever the call's row count from 16 rows on, Ulysses attention equal to the unsplit
+# call, the split VAE walk) are asserted here in process (test_sequence_parallel, test_vae_patch), and its two
+# launches and references were about 70 of the rerun's 3 CPU-min (docs/testing.md).
+mapfile -t exact_modules < <(grep -rlE --include='test_*.py' 'mark\.exact' tests/unit | sort)
 env $lower nice -n 19 python -m pytest -q -p no:cacheprovider -m exact --basetemp "$side/exact" "${exact_modules[@]}" \
   >"$exact_log" 2>&1 &
 exact=$!

@@ -274,9 +274,9 @@ def _write_h264(tmp: Path, frames: np.ndarray, fps: float) -> None:
     ffmpeg's stdin, with ffmpeg's exit status checked.
 
     On one thread, x264 and the RGB -> YUV conversion both: the same frames give the same bytes on every run,
-    whatever the load and the node's CPU count. By default x264 takes 1.5 threads per CPU, and its output depends on that count (a
-    5-frame clip gave five different files at 1, 2, 3, 4 and 6 threads) and, rarely, on the threads' timing
-    under load (5 encodes in 3,800 here: docs/outputs.md "MP4 bytes")."""
+    whatever the load and the node's CPU count. By default x264 takes 1.5 threads per CPU, and its output
+    depends on that count (a 5-frame clip gave five different files at 1, 2, 3, 4 and 6 threads) and, rarely,
+    on the threads' timing under load (5 encodes in 3,800 here: docs/outputs.md "MP4 bytes")."""
     from fractions import Fraction
 
     count, height, width, _ = frames.shape
