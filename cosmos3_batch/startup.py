@@ -1,0 +1,36 @@
+"""A job process's start: Python's cyclic garbage collector paused while it imports its libraries, their
+objects then frozen out of the collector's reach (`gc.freeze`).
+
+Importing torch, diffusers and transformers allocates enough objects to set off several full collections,
+each walking everything imported so far; those objects live as long as the process, so walking them finds
+nothing. Frozen, they are not walked again either: a full collection in the pass loop (where a pause on one
+rank holds every rank at the next collective) walks only what the job itself made. Measured figures:
+docs/testing.md "Where the time goes".
+
+Only a process's own entry pauses (`python -m cosmos3_batch`, the `cosmos3-batch` script): a program that
+imports the CLI and calls it (a test runner) keeps its collector as it was.
+"""
+
+from __future__ import annotations
+
+import gc
+
+_paused = False
+
+
+def pause_collection() -> None:
+    """At process entry, before the first heavy import."""
+    global _paused
+    if gc.isenabled():
+        gc.disable()
+        _paused = True
+
+
+def imports_done() -> None:
+    """After a command's imports: freeze what they made and collect again as usual (a no-op unless
+    `pause_collection` paused it)."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.freeze()
+        gc.enable()
