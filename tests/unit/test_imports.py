@@ -26,6 +26,7 @@ LAYERS = [
     {"engine", "model"},
     {"io"},
     {"requests", "checkpoint"},
+    {"startup"},
 ]
 # (modules, what they must not reach, directly or through the package's own imports)
 FORBIDDEN = [
