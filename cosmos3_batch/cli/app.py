@@ -27,8 +27,8 @@ app = typer.Typer(
 
 @app.callback()
 def _start(ctx: typer.Context) -> None:
-    # Every command but `run` collects garbage as usual from here; `run` once its own imports are done
-    # (startup.py: the collector paused at process entry).
+    # Every command but `run` collects garbage as usual from here; `run` once its job has validated, planned
+    # and imported what its load builds (pipeline/job/run.py; startup.py: the collector paused at entry).
     if ctx.invoked_subcommand != "run":
         from cosmos3_batch.startup import imports_done
 
@@ -226,9 +226,7 @@ def run(
     from cosmos3_batch.config import ConfigError, make_config
     from cosmos3_batch.parallel.exit_codes import ExitCode, after_rank_0
     from cosmos3_batch.pipeline.job.run import run_job
-    from cosmos3_batch.startup import imports_done
 
-    imports_done()
     _setup_logging()
     try:
         cfg = make_config(

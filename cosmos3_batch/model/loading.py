@@ -37,6 +37,14 @@ def load_tensors(
     }
 
 
+def import_model_classes() -> None:
+    """Import the classes a job's load builds (diffusers' transformer and VAE, transformers' tokenizer) at
+    once: the job does so while the collector is still paused (cosmos3_batch/startup.py), not in the load's
+    first calls."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def build_transformer_on_meta(
     config: dict, store: TensorStore | None = None, compute: Fp8Compute | None = None
 ):

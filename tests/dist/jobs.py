@@ -71,6 +71,12 @@ def _run_one(args: list[str]) -> int:
             app(args, prog_name="cosmos3_batch")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        # A first job that ended before its load (bad input) resumed nothing: the next jobs of this
+        # long-lived rank collect as usual all the same (a no-op once resumed).
+        from cosmos3_batch.startup import imports_done
+
+        imports_done()
     return 0
 
 

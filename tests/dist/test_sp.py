@@ -247,7 +247,8 @@ def batched_branches_and_a_failed_write(tiny8, reference, folder):
     return [*args, "--no-progress"], check
 
 
-# Both under the exact marker: the second instruction-set pass of scripts/test.sh runs them again.
+# Under the exact marker, in the main tier only: scripts/test.sh's rerun under a lower instruction set takes
+# tests/unit, where the facts these shards rest on are asserted in process (test_sequence_parallel).
 @pytest.mark.exact
 @pytest.mark.parametrize("world", sorted(CONFIGS))
 def test_sp_is_bit_exact_and_in_lockstep(

@@ -38,9 +38,11 @@ FIRST, TOP_UP, LEAST_LEFT = 72, 24, 16
 
 
 def row(i: int) -> dict:
-    return {"id": f"s{i}", "prompt": "a lighthouse", "num_frames": 1 if i % 3 else 5, "size": "32x32"} | {
+    """Request i: images and 5-frame clips, with and without guidance."""
+    frames, guidance = 1 if i % 3 else 5, 1.0 if i % 2 else 4.0
+    return {"id": f"s{i}", "prompt": "a lighthouse", "num_frames": frames, "size": "32x32"} | {
         "num_inference_steps": 30,
-        "guidance_scale": 1.0 if i % 2 else 4.0,
+        "guidance_scale": guidance,
     }
 
 
@@ -152,7 +154,7 @@ def ok_rows(out: Path) -> Counter:
     counts: Counter = Counter()
     for part in (out / ".cosmos3_batch").glob("metrics.*rank*.csv"):
         with open(part, newline="") as f:
-            counts.update(row["id"] for row in csv.DictReader(f) if row["status"] == "ok")
+            counts.update(r["id"] for r in csv.DictReader(f) if r["status"] == "ok")
     return counts
 
 

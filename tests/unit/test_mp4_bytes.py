@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from cosmos3_batch.io.outputs import write_mp4
 from tests.conftest import x264_settings
@@ -29,6 +30,8 @@ def test_the_encoder_runs_on_one_thread(tmp_path):
 
 def test_the_bytes_do_not_depend_on_the_cpus_the_encoder_may_use(tmp_path):
     cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("one CPU: the encoder's thread count cannot be made to differ")
     one = {min(cpus)}
     os.sched_setaffinity(0, one)  # this thread's: the encoder's process inherits it
     try:

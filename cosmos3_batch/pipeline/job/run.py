@@ -17,6 +17,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
+from cosmos3_batch import startup
 from cosmos3_batch.checkpoint.folder import Checkpoint, CheckpointError
 from cosmos3_batch.checkpoint.guardrail_cache import GuardrailRefusal
 from cosmos3_batch.config import RunConfig
@@ -27,7 +28,7 @@ from cosmos3_batch.io.metrics import MetricsWriter, state_dir
 from cosmos3_batch.io.space import check_room, output_bytes
 from cosmos3_batch.io.upsampled import UpsampleStore
 from cosmos3_batch.model.limits import limits_for
-from cosmos3_batch.model.loading import validate_checkpoint
+from cosmos3_batch.model.loading import import_model_classes, validate_checkpoint
 from cosmos3_batch.model.numerics import warn_unless_strict
 from cosmos3_batch.model.prompts import build_helper, load_tokenizer
 from cosmos3_batch.model.vae_shards import check_patchable
@@ -224,6 +225,8 @@ def _run(cfg: RunConfig, world: World, stop: StopRequest, place: Place) -> Outco
         # --sp: the groups are the ranks of the schedule; every rank of a group gets the group's queue.
         mine = assign(plan.requests, world.world_size // cfg.sp).queues[world.rank // cfg.sp]
         _phase(monitor, "loading")
+        import_model_classes()
+        startup.imports_done()  # the collector, paused at process entry, from here on (startup.py)
         loaded = load_model(cfg, world, plan, place)
         place.enter("passes", cfg.collective_timeout_s, "--collective-timeout-s")
         ranks = _passes(cfg, world, plan, loaded, mine, stop, monitor)
