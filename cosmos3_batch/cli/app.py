@@ -17,6 +17,7 @@ import cosmos3_batch.cli.models as cli_models
 import cosmos3_batch.cli.reasoner as cli_reasoner
 from cosmos3_batch.plan.prefill import PrefillRule
 from cosmos3_batch.plan.row_budget import MAX_BATCH_ROWS
+from cosmos3_batch.startup import imports_done
 
 app = typer.Typer(
     add_completion=False,
@@ -30,8 +31,6 @@ def _start(ctx: typer.Context) -> None:
     # Every command but `run` collects garbage as usual from here; `run` once its job has validated, planned
     # and imported what its load builds (pipeline/job/run.py; startup.py: the collector paused at entry).
     if ctx.invoked_subcommand != "run":
-        from cosmos3_batch.startup import imports_done
-
         imports_done()
 
 
