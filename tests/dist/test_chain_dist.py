@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import imageio
@@ -32,8 +33,8 @@ from cosmos3_batch.requests.parse import Request
 from cosmos3_batch.requests.reason import ReasonSpec
 from tests.conftest import moving_square, write_jsonl
 from tests.dist.jobs import ENV, JOB_PYTHON, torchrun_jobs
+from tests.dist.preempt import kill_if
 from tests.dist.test_checkpoints import one_thread, requests_for
-from tests.dist.test_resume import preempt
 from tests.dist.test_runs import assert_lockstep
 from tests.reasoner_reference import reference_ids
 from tests.reference import reference_kwargs, transfer_outputs, transfer_reference
@@ -140,17 +141,18 @@ def test_a_kill_between_the_upsampling_and_the_generation_reuses_the_recorded_pr
     tiny_reasoner_ckpt, tmp_path
 ):
     prompts = write_jsonl(tmp_path / "p.jsonl", SLOW)
-    # The kill races the generation (a loaded machine may finish it between the check and the kill): until a
-    # kill leaves a recorded prompt without its output (up to three jobs), each folder is set aside.
+    # The job is frozen before the last look (`kill_if`), so the kill lands on what was seen; up to three jobs
+    # (each folder set aside) in case a loaded machine lets the generation through every look.
     for attempt in range(3):
         out, log = tmp_path / f"out{attempt}", tmp_path / f"log{attempt}.txt"
         job = launch(prompts, tiny_reasoner_ckpt, out, log)
         deadline = time.monotonic() + 300  # start-up is ~12 s of CPU a rank: generous under load
-        while not recorded_not_written(out):
-            assert job.poll() is None, f"the job ended before the kill:\n{log.read_text()[-3000:]}"
+        killed = False
+        while not killed and job.poll() is None:
             assert time.monotonic() < deadline, f"no prompt recorded in 300 s:\n{log.read_text()[-3000:]}"
+            killed = bool(recorded_not_written(out)) and kill_if(job, partial(recorded_not_written, out))
             time.sleep(0.02)  # polling, not synchronization: the condition is what is waited for
-        preempt(job)  # SIGKILL torchrun and both workers at once: nothing of the job runs on
+        assert killed or job.returncode == 0, f"the job failed before the kill:\n{log.read_text()[-3000:]}"
         if pending := recorded_not_written(out):
             break
     else:

@@ -5,15 +5,13 @@ test_stop.py's chain.)"""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
-import os
-import signal
 import subprocess
 import tarfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -25,6 +23,7 @@ from safetensors.torch import load, load_file
 from cosmos3_batch.io.shard_index import finish_renames, read_indexes
 from tests.conftest import write_jsonl
 from tests.dist.jobs import ENV, JOB_PYTHON, run_here
+from tests.dist.preempt import kill_if, preempt
 
 pytestmark = pytest.mark.dist
 ROWS = [
@@ -56,33 +55,6 @@ def launch(prompts, tiny_ckpt, out) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (torchrun puts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def preempt(job: subprocess.Popen) -> None:
-    """SIGKILL torchrun and all its workers at once, as a preempted Slurm node would."""
-    for pid in [job.pid, *descendants(job.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    job.wait()
-
-
 def ok_rows(out) -> Counter:
     counts: Counter = Counter()
     for part in (out / ".cosmos3_batch").glob("metrics.rank*.csv"):
@@ -92,9 +64,15 @@ def ok_rows(out) -> Counter:
 
 
 def mid_shard(out: Path) -> bool:
-    """A shard is final and another is open with a sample in it (its unbuffered writes are on disk)."""
-    final = list(out.glob("shards/*/*.tar"))
-    return bool(final) and any(p.stat().st_size > 0 for p in out.glob("shards/*/.*.tar.tmp"))
+    """A rank has finalized its first shard and written a sample into its second (unbuffered: on disk).
+
+    Per rank: a first shard still under its temporary name beside another rank's final one is being
+    finalized, not open (a kill there leaves an index the rerun completes the rename from)."""
+    for final in out.glob("shards/*/rank*-000001.tar"):
+        rank = final.name.split("-")[0]
+        if any(p.stat().st_size > 0 for p in final.parent.glob(f".{rank}-000002.*.tar.tmp")):
+            return True
+    return False
 
 
 def test_sigkill_mid_shard_then_rerun_finishes_the_rest_exactly_once(tmp_path, tiny_ckpt):
@@ -103,15 +81,20 @@ def test_sigkill_mid_shard_then_rerun_finishes_the_rest_exactly_once(tmp_path, t
     code = run_here(["run", prompts, "--model", tiny_ckpt, "--out", ref, "--save-latents", "--no-progress"])
     assert code == 0
 
-    # The kill races the writers (more so on a loaded machine): a shard may finalize between the check and the
-    # kill. Until one lands with a shard open (up to three jobs), each kill's folder is set aside.
+    # The job is frozen (SIGSTOP) before the last look, so the kill lands on exactly what was seen. Up to
+    # three jobs, each kill's folder set aside: a look may catch a finalize between its index and its rename
+    # (the rerun completes it: no shard is left open), or a loaded machine may miss every window.
     for attempt in range(3):
         out = tmp_path / f"out{attempt}"
         job = launch(prompts, tiny_ckpt, out)
+        killed = False
         deadline = time.monotonic() + 180
-        while not mid_shard(out) and time.monotonic() < deadline and job.poll() is None:
+        while not killed and job.poll() is None and time.monotonic() < deadline:
+            killed = mid_shard(out) and kill_if(job, partial(mid_shard, out))
             time.sleep(0.02)
-        preempt(job)
+        if not killed:
+            preempt(job)
+            continue
         # As the rerun does first: a shard whose index was written but whose rename was cut short counts.
         finish_renames(out, "")
         if list(out.glob("shards/*/.*.tar.tmp")):
