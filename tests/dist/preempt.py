@@ -32,11 +32,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def preempt(job: subprocess.Popen) -> None:
     """SIGKILL torchrun and all its workers at once, as a preempted Slurm node would."""
-    for pid in [job.pid, *descendants(job.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _signal([job.pid, *descendants(job.pid)], signal.SIGKILL)
     job.wait()
 
 
@@ -57,20 +61,19 @@ def stopped(pid: int) -> bool:
 
 
 def kill_if(job: subprocess.Popen, still: Callable[[], object]) -> bool:
-    """Freeze torchrun and its workers, look again, and SIGKILL them all if `still()` is true, else let them
-    go on (returns whether it killed). Nothing moves between the look and the kill."""
+    """If `still()` is true, freeze torchrun and its workers, look again, and SIGKILL them all if it still is,
+    else let them go on (returns whether it killed). Nothing moves between the last look and the kill."""
+    if not still():  # the cheap look first: most polls end here, the job never stopped
+        return False
     pids = [job.pid, *descendants(job.pid)]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
+    _signal(pids, signal.SIGSTOP)
     deadline = time.monotonic() + 30
     while not all(map(stopped, pids)):
         assert time.monotonic() < deadline, "the job's processes did not stop in 30 s"
         time.sleep(0.001)
     if still():
-        preempt(job)
+        _signal(pids, signal.SIGKILL)  # frozen: none has started a process since the scan
+        job.wait()
         return True
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+    _signal(pids, signal.SIGCONT)
     return False

@@ -150,7 +150,7 @@ def test_a_kill_between_the_upsampling_and_the_generation_reuses_the_recorded_pr
         killed = False
         while not killed and job.poll() is None:
             assert time.monotonic() < deadline, f"no prompt recorded in 300 s:\n{log.read_text()[-3000:]}"
-            killed = bool(recorded_not_written(out)) and kill_if(job, partial(recorded_not_written, out))
+            killed = kill_if(job, partial(recorded_not_written, out))
             time.sleep(0.02)  # polling, not synchronization: the condition is what is waited for
         assert killed or job.returncode == 0, f"the job failed before the kill:\n{log.read_text()[-3000:]}"
         if pending := recorded_not_written(out):

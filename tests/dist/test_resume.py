@@ -90,7 +90,7 @@ def test_sigkill_mid_shard_then_rerun_finishes_the_rest_exactly_once(tmp_path, t
         killed = False
         deadline = time.monotonic() + 180
         while not killed and job.poll() is None and time.monotonic() < deadline:
-            killed = mid_shard(out) and kill_if(job, partial(mid_shard, out))
+            killed = kill_if(job, partial(mid_shard, out))
             time.sleep(0.02)
         if not killed:
             preempt(job)
